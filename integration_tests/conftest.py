@@ -1,0 +1,80 @@
+"""Fixtures that start real engine servers for integration tests.
+
+Every test in this folder is marked ``integration``. Servers are started through ``pd_disagg.servers`` (own
+process group, log file, health polling, kill-on-teardown). If a server cannot start, the fixture raises and
+the test errors: integration tests never skip because an engine is missing or broken. Logs of servers used
+by a failing test are printed in the test report (``-rfE``), and kept under ``logs/integration/``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pd_disagg.servers import ManagedServer, ServerStartError
+from pd_disagg.tiny_model import PRESETS, build
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = ROOT / "logs" / "integration"
+SERVER_START_TIMEOUT_S = float(os.environ.get("PD_TEST_SERVER_TIMEOUT_S", "420"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny test model: ``PD_TEST_MODEL`` if set (``make test`` builds it), else built into .cache."""
+    env = os.environ.get("PD_TEST_MODEL")
+    if env:
+        return Path(env)
+    return build(ROOT / ".cache" / "models" / "tiny-llama", PRESETS["tiny"])
+
+
+@pytest.fixture(scope="session")
+def log_dir() -> Path:
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    return LOG_DIR
+
+
+ServerFactory = Callable[[ManagedServer], ManagedServer]
+
+
+def _start_all(servers: list[ManagedServer]) -> None:
+    """Start all, then wait for each: engines load in parallel, which halves start-up on two cores."""
+    for server in servers:
+        server.start()
+    for server in servers:
+        try:
+            server.wait_healthy(SERVER_START_TIMEOUT_S)
+        except ServerStartError:
+            for other in servers:
+                other.stop()
+            raise
+
+
+@pytest.fixture(scope="module")
+def start_servers() -> Iterator[Callable[..., list[ManagedServer]]]:
+    """Module-scoped: ``start_servers(a, b, ...)`` starts and health-checks servers, stops them at module end.
+
+    Module scope lets the tests of one file share servers (each start costs 30-60 s of CPU); every server is
+    stopped by PID/process group when the module finishes, also when a test failed.
+    """
+    started: list[ManagedServer] = []
+
+    def start(*servers: ManagedServer) -> list[ManagedServer]:
+        started.extend(servers)
+        _start_all(list(servers))
+        return list(servers)
+
+    try:
+        yield start
+    finally:
+        for server in reversed(started):
+            server.stop()

@@ -1,0 +1,89 @@
+"""Command lines and environments for real engine servers on this project's CPU machines.
+
+Knows the flags a vLLM CPU server needs (see docs/development.md) so tests, benchmarks and the demo build
+servers the same way. Returns ``ManagedServer`` objects; starting and stopping is ``servers.py``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pd_disagg.servers import ManagedServer, free_port
+
+# Settings every vLLM CPU server in this project uses: eager mode and a block size that CPU attention accepts
+# (multiple of 32). Tests use float32, which makes vLLM's greedy tokens equal to transformers' exactly.
+VLLM_CPU_ARGS = ("--enforce-eager", "--block-size", "32", "--seed", "0")
+UCX_TEST_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_RNDV_SCHEME": "put_zcopy",
+    "UCXPY_PROGRESS_MODE": "blocking",
+}
+
+
+def vllm_server(
+    model: str | Path,
+    *,
+    log_dir: Path,
+    name: str = "vllm",
+    port: int | None = None,
+    cpu_core: int | str | None = None,
+    kv_cache_gib: float = 1.0,
+    max_model_len: int = 1024,
+    dtype: str = "bfloat16",
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> ManagedServer:
+    """A vLLM OpenAI server on ``127.0.0.1:port`` (not yet started).
+
+    ``cpu_core`` pins vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two servers on a two-core
+    machine do not fight over the same core.
+    """
+    port = port or free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "pd_disagg.vllm_launcher",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        dtype,
+        *VLLM_CPU_ARGS,
+        *extra_args,
+    ]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    server_env = {
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        **UCX_TEST_ENV,
+    }
+    if cpu_core is not None:
+        server_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    server_env.update(env or {})
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        env=server_env,
+    )
+
+
+def base_url(server: ManagedServer) -> str:
+    """``http://host:port`` of a server built by this module (derived from its health URL)."""
+    return server.health_url.rsplit("/", 1)[0]

@@ -1,0 +1,159 @@
+"""Start, health-check and always stop server processes (engines, routers) for tests, benchmarks and the demo.
+
+Each server runs in its own process group with its output captured to a log file. ``stop()`` kills the whole
+group (the API server and every engine/worker process it spawned), first with SIGTERM, then SIGKILL after a
+grace period, so nothing outlives a test even when it fails or is interrupted. The server's main process also
+gets ``PR_SET_PDEATHSIG`` so that if the harness itself is killed with SIGKILL, the server is told to exit.
+
+Called in the harness process (pytest, a benchmark, the demo); never inside an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy in time; the message carries the end of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host`` (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes in process group ``pgid``: how tests prove nothing was left behind."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: ask the kernel to SIGTERM us when the parent dies."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ManagedServer:
+    """One server process (group) with a log file and an HTTP health URL."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    health_url: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process for its lifetime
+        try:
+            self.proc = subprocess.Popen(
+                list(self.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll the health URL until it answers 200; raise with the log tail on exit or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self.proc.returncode if self.proc else None
+                raise ServerStartError(
+                    f"{self.name} exited with code {code} before becoming healthy; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.health_url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(poll_s)
+        raise ServerStartError(
+            f"{self.name} not healthy after {timeout_s:.0f}s at {self.health_url}; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole process group at once (used by failure tests to kill a peer)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; safe to call twice."""
+        if self.proc is None:
+            return
+        self.kill(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        # Engine workers may linger after the leader exits: always sweep the group.
+        self.kill(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def running(server: ManagedServer, timeout_s: float = 300.0) -> Iterator[ManagedServer]:
+    """Start ``server``, wait for health, yield it, and stop it whatever happens."""
+    try:
+        server.start()
+        server.wait_healthy(timeout_s)
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,165 @@
+"""Build a deterministic random-weight Llama and a byte-level BPE tokenizer, entirely offline.
+
+No model hub is reachable from the machines this project is tested on, so tests, benchmarks and the demo use a
+model built here: weights drawn from a fixed seed (std ~0.08, so greedy decoding is not degenerate), saved as
+bf16 safetensors, and a tokenizer trained on the Python standard library's sources (always on disk), with
+bos/eos/pad tokens and a small chat template. The same arguments always give the same files.
+
+Called by ``make model`` / ``make demo`` (CLI ``pd-tiny-model``) and by benchmarks that need a larger model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of the random Llama. Defaults are the test model; ``PRESETS`` names the larger ones."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 2048
+    max_position_embeddings: int = 2048
+    seed: int = 0
+    init_std: float = 0.08
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        """Bytes of K and V per token over all layers (the quantity the connector moves)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(),
+    # Large enough that a ~2k-token prefill takes seconds on a CPU (head-of-line blocking, layer overlap).
+    "bench": ModelSpec(
+        num_layers=12,
+        hidden_size=1024,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=2816,
+        vocab_size=4096,
+        max_position_embeddings=4096,
+        init_std=0.04,
+    ),
+}
+
+
+def _training_files(limit: int = 400) -> list[str]:
+    """Python standard library sources, sorted so training sees the same text in the same order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))
+    return files[:limit]
+
+
+def build_tokenizer(vocab_size: int) -> object:
+    """Train a byte-level BPE on local text; returns a ``PreTrainedTokenizerFast`` with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_training_files(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=1 << 20,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(out: Path, spec: ModelSpec) -> Path:
+    """Write config, bf16 safetensors and tokenizer to ``out`` atomically; reuse it if already built."""
+    marker = out / "pd_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer(spec.vocab_size)
+    torch.manual_seed(spec.seed)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, spec.init_std)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)  # type: ignore[arg-type]
+        tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+        (tmp / "pd_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the model into")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    args = parser.parse_args(argv)
+    spec = PRESETS[args.preset]
+    path = build(args.out, spec)
+    print(
+        f"model ready at {path} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+        f"{spec.kv_bytes_per_token()} KV bytes/token)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The process harness starts, health-checks and always stops its servers."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pd_disagg.servers import ManagedServer, ServerStartError, free_port, process_group_members, running
+
+pytestmark = pytest.mark.unit
+
+
+def _http_server(tmp_path: Path, port: int, extra: str = "") -> ManagedServer:
+    code = (
+        "import http.server, os, subprocess, sys\n"
+        f"{extra}\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    return ManagedServer(
+        name="fake",
+        argv=[sys.executable, "-c", code],
+        log_path=tmp_path / "fake.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+
+
+def test_running_waits_for_health_and_stops_the_group(tmp_path: Path) -> None:
+    # The server spawns a grandchild, as vLLM spawns its EngineCore: stop() must kill both.
+    extra = "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])"
+    with running(_http_server(tmp_path, free_port(), extra), timeout_s=20) as server:
+        pgid = server.pid
+        assert len(process_group_members(pgid)) >= 2
+    time.sleep(0.2)
+    assert process_group_members(pgid) == []
+
+
+def test_exit_before_health_raises_with_log(tmp_path: Path) -> None:
+    server = ManagedServer(
+        name="crash",
+        argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+        log_path=tmp_path / "crash.log",
+        health_url=f"http://127.0.0.1:{free_port()}/health",
+    )
+    with (
+        pytest.raises(ServerStartError, match=r"(?s)exited with code 3.*boom"),
+        running(server, timeout_s=20),
+    ):
+        pass
+    assert not server.alive()
+
+
+def test_health_timeout_raises_and_kills(tmp_path: Path) -> None:
+    server = ManagedServer(
+        name="mute",
+        argv=[sys.executable, "-c", "import time; time.sleep(600)"],
+        log_path=tmp_path / "mute.log",
+        health_url=f"http://127.0.0.1:{free_port()}/health",
+    )
+    with pytest.raises(ServerStartError, match="not healthy after"), running(server, timeout_s=1.5):
+        pass
+    assert not server.alive()
