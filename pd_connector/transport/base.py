@@ -1,0 +1,93 @@
+"""The transport interface every data plane implements (UCX, TCP fallback, in-process test loopback).
+
+Who calls it: the transfer engine (``pd_connector.transfer``), from engine threads that must never block
+on the network (vLLM's ``save_kv_layer`` runs inside the forward pass). So every method is thread-safe and
+non-blocking; work runs on the transport's own I/O thread and completion is reported through
+``concurrent.futures.Future``. An idle transport must not spin (progress is event-driven).
+
+Model: a *push* of KV blocks. The receiver (D) registers its KV buffers and publishes a ``RemoteMemory``
+descriptor (addresses, sizes and whatever keys the transport needs) through the control plane; the sender
+(P) ``attach``es that descriptor once per peer and then ``write``s lists of block copies into it. The
+control plane (handshake, destinations, done, abort) is not the transport's business.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A local buffer to register: typically one layer's KV cache tensor, made of equal-sized blocks.
+
+    ``address`` is the buffer's base pointer (``tensor.data_ptr()``), ``length`` its size in bytes and
+    ``block_bytes`` the stride between consecutive blocks. Blocks are indexed from 0 at ``address``.
+    """
+
+    region_id: int
+    address: int
+    length: int
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.block_bytes <= 0 or self.length < 0 or self.length % self.block_bytes:
+            raise ValueError(
+                f"region {self.region_id}: length {self.length} is not a whole number of "
+                f"{self.block_bytes}-byte blocks"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.length // self.block_bytes
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy ``num_blocks`` contiguous blocks of ``region_id``: local ``src_block`` -> remote ``dst_block``.
+
+    Callers pass one entry per block or already-coalesced runs; transports coalesce adjacent runs again
+    (see ``coalesce.py``), so a 4096-token prompt is a handful of messages per layer.
+    """
+
+    region_id: int
+    src_block: int
+    dst_block: int
+    num_blocks: int = 1
+
+
+class Transport(abc.ABC):
+    """One endpoint of the data plane, owned by one engine worker process."""
+
+    #: Short name used in handshakes, metrics and logs ("ucx", "tcp", "loopback").
+    name: str
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        """Register local buffers; return an opaque descriptor peers pass to ``attach`` to write into them.
+
+        Called once at start-up by the receiving side (and by the sender, if it needs registered sources).
+        The descriptor is carried inside the control plane's msgspec handshake, never pickled.
+        """
+
+    @abc.abstractmethod
+    def attach(self, peer_id: str, descriptor: bytes) -> Future[None]:
+        """Connect to a peer whose ``register`` returned ``descriptor``; resolves once writes can be posted."""
+
+    @abc.abstractmethod
+    def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        """Post block copies into the attached peer's memory; resolves with bytes written once all landed.
+
+        Fails the future (never hangs) if the peer dies or the connection breaks; the caller applies its
+        own timeout on top. Remote visibility: when the future resolves, the data is in the peer's memory.
+        """
+
+    @abc.abstractmethod
+    def detach(self, peer_id: str) -> None:
+        """Drop a peer: close its endpoint and release what ``attach`` allocated (idempotent)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the I/O thread, close every endpoint and deregister all memory (idempotent)."""
