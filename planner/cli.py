@@ -100,6 +100,7 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--isl", type=_positive_int, required=True, help="input length to measure prefill at")
     p.add_argument("--out", type=Path, default=Path("profile.json"))
+    p.add_argument("--decode-endpoint", help="measure decode on this server instead (a separate D pool)")
     p.add_argument("--model", help="model name to request (default: the first at /v1/models)")
     p.add_argument("--ttft-samples", type=_positive_int, default=defaults.ttft_samples)
     p.add_argument("--prefill-requests", type=_positive_int, default=defaults.prefill_requests)
@@ -248,6 +249,7 @@ def run_profile(args: argparse.Namespace, console: Console) -> int:
         endpoint=args.endpoint,
         isl=args.isl,
         model=args.model,
+        decode_endpoint=args.decode_endpoint,
         ttft_samples=args.ttft_samples,
         prefill_requests=args.prefill_requests,
         prefill_concurrency=args.prefill_concurrency,

@@ -8,7 +8,8 @@ requested length and never hits the prefix cache. Three phases:
 2. saturated prefill: ``prefill_requests`` such requests, ``prefill_concurrency`` in flight; prompt tokens
    divided by wall time is ``prefill_max_tokens_per_s``; the TTFT overhead is the unloaded TTFT minus
    ``isl / prefill_max_tokens_per_s`` (what is not prefill compute);
-3. decode: for each batch size ``b``, ``b`` concurrent streams of ``decode_tokens`` tokens (``ignore_eos``);
+3. decode (against ``decode_endpoint`` when the D pool is a different server): for each batch size ``b``,
+   ``b`` concurrent streams of ``decode_tokens`` tokens (``ignore_eos``);
    the median of (last token - first token) / (tokens - 1) is the TPOT at ``b``.
 
 A rich progress bar on stderr counts requests.
@@ -41,6 +42,7 @@ class ProfilerConfig(msgspec.Struct, frozen=True):
     endpoint: str
     isl: int
     model: str | None = None
+    decode_endpoint: str | None = None
     ttft_samples: int = 3
     prefill_requests: int = 16
     prefill_concurrency: int = 4
@@ -194,6 +196,7 @@ async def measure_profile(config: ProfilerConfig, console: Console | None = None
     if config.isl < 1 or not config.decode_batches or min(config.decode_batches) < 1:
         raise ValueError("isl and every decode batch must be >= 1")
     endpoint = config.endpoint.rstrip("/")
+    decode_endpoint = (config.decode_endpoint or endpoint).rstrip("/")
     prompts = _Prompts(config)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     console = console or Console(file=sys.stderr)
@@ -228,7 +231,7 @@ async def measure_profile(config: ProfilerConfig, console: Console | None = None
 
                 def decode_job() -> Awaitable[RequestTiming]:
                     prompt = prompts(config.decode_prompt_tokens)
-                    return stream_completion(session, endpoint, model, prompt, config.decode_tokens)
+                    return stream_completion(session, decode_endpoint, model, prompt, config.decode_tokens)
 
                 timings = await _bounded(batch, batch, decode_job, advance)
                 tpots.append(statistics.median(t.tpot_s for t in timings))
@@ -240,6 +243,6 @@ async def measure_profile(config: ProfilerConfig, console: Console | None = None
             ttft_overhead_s=overhead,
             decode=points,
             isl=config.isl,
-            source=f"{endpoint} model={model}",
+            source=f"{endpoint} (decode {decode_endpoint}) model={model}",
         )
     )

@@ -175,7 +175,7 @@ def _decode(
     position = 0
     while position < len(order) or heap:
         next_ready = ready[order[position]] if position < len(order) else math.inf
-        if not heap or next_ready < heap[0][0]:
+        if not heap or next_ready <= heap[0][0]:  # arrivals first: a tie joins this step
             request = order[position]
             position += 1
             if remaining[request] == 0:
