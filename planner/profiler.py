@@ -160,12 +160,12 @@ async def stream_completion(
     )
 
 
-class _Prompts:
+class RandomPrompts:
     """Random token-id prompts, each different so the prefix cache never helps."""
 
-    def __init__(self, config: ProfilerConfig) -> None:
-        self._rng = np.random.default_rng(config.seed)
-        self._low, self._high = config.token_id_low, config.token_id_high
+    def __init__(self, seed: int, low: int, high: int) -> None:
+        self._rng = np.random.default_rng(seed)
+        self._low, self._high = low, high
 
     def __call__(self, length: int) -> list[int]:
         return [int(t) for t in self._rng.integers(self._low, self._high, length)]
@@ -197,7 +197,7 @@ async def measure_profile(config: ProfilerConfig, console: Console | None = None
         raise ValueError("isl and every decode batch must be >= 1")
     endpoint = config.endpoint.rstrip("/")
     decode_endpoint = (config.decode_endpoint or endpoint).rstrip("/")
-    prompts = _Prompts(config)
+    prompts = RandomPrompts(config.seed, config.token_id_low, config.token_id_high)
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     console = console or Console(file=sys.stderr)
     total = 1 + config.ttft_samples + config.prefill_requests + sum(config.decode_batches)
