@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from rich.console import Console
+from rich.progress import MofNCompleteColumn, Progress
 
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
@@ -52,11 +53,20 @@ def _stats(values: np.ndarray) -> dict[str, float]:
 
 
 async def _real_run(
-    p_url: str, d_url: str, model_name: str, arrivals: np.ndarray, isl: int, osl: int, seed: int
+    p_url: str,
+    d_url: str,
+    model_name: str,
+    arrivals: np.ndarray,
+    isl: int,
+    osl: int,
+    seed: int,
+    console: Console,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Replay ``arrivals`` (s): prefill on P, then decode on D; returns per-request TTFT and TPOT."""
     prompts = RandomPrompts(seed + 100, 10, 1000)
     timeout = aiohttp.ClientTimeout(total=600)
+    progress = Progress(*Progress.get_default_columns(), MofNCompleteColumn(), console=console)
+    task = progress.add_task("real run", total=len(arrivals))
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
 
@@ -67,9 +77,11 @@ async def _real_run(
             decode: RequestTiming = await stream_completion(
                 session, d_url, model_name, prompts(DECODE_PROMPT_TOKENS), osl
             )
+            progress.advance(task)
             return late + prefill.ttft_s, decode.tpot_s
 
-        results = await asyncio.gather(*(one(float(a)) for a in arrivals))
+        with progress:
+            results = await asyncio.gather(*(one(float(a)) for a in arrivals))
     return np.array([r[0] for r in results]), np.array([r[1] for r in results])
 
 
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         name = profile.source.rsplit("model=", 1)[1] if profile.source else str(args.model)
         started = time.perf_counter()
         ttft, tpot = asyncio.run(
-            _real_run(p_url, d_url, name, arrivals.arrival_s, args.isl, args.osl, args.seed)
+            _real_run(p_url, d_url, name, arrivals.arrival_s, args.isl, args.osl, args.seed, console)
         )
         wall = time.perf_counter() - started
         measured = {"ttft_s": _stats(ttft), "tpot_s": _stats(tpot)}
