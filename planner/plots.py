@@ -24,7 +24,7 @@ def plot_decode_curve(profile: Profile, tpot_slo_s: float, decode_tokens_per_s: 
     points = profile.sorted_decode()
     batches = np.array([p.batch for p in points])
     tpots = np.array([p.tpot_s for p in points])
-    fig, left = plt.subplots(figsize=(7, 4.2))
+    fig, left = plt.subplots(figsize=(7, 4.8))
     try:
         left.plot(batches, tpots * 1e3, "o-", color="tab:blue", label="TPOT (measured)")
         left.axhline(
@@ -43,9 +43,9 @@ def plot_decode_curve(profile: Profile, tpot_slo_s: float, decode_tokens_per_s: 
         )
         right.set_ylabel("decode throughput (tokens/s)", color="tab:green")
         handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-        left.legend(handles=handles, loc="upper left", fontsize=8)
+        fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)
         left.set_title("Decode: TPOT and throughput vs batch")
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
