@@ -68,14 +68,28 @@ def _plan_parser() -> argparse.ArgumentParser:
     target.add_argument("--throughput", type=_positive_float, help="target input+output tokens/s")
     target.add_argument("--tpm", type=_positive_float, help="target input+output tokens per minute")
     p.add_argument("--method", choices=[m.value for m in model.Method], default="mm1", help="prefill model")
-    p.add_argument("--prefill-efficiency", type=_positive_float, default=model.DEFAULT_PREFILL_EFFICIENCY)
-    p.add_argument("--decode-efficiency", type=_positive_float, default=model.DEFAULT_DECODE_EFFICIENCY)
+    p.add_argument(
+        "--prefill-efficiency",
+        type=_positive_float,
+        default=model.DEFAULT_PREFILL_EFFICIENCY,
+        help="rate-match: fraction of the profiled prefill maximum to plan with",
+    )
+    p.add_argument(
+        "--decode-efficiency",
+        type=_positive_float,
+        default=model.DEFAULT_DECODE_EFFICIENCY,
+        help="rate-match: fraction of the decode throughput at the TPOT SLO to plan with",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line of the headline figures")
     p.add_argument("--verify", action="store_true", help="simulate the plan and the plans one node smaller")
-    p.add_argument("--verify-stat", choices=["mean", "p50", "p90", "p99"], default="mean")
+    p.add_argument(
+        "--verify-stat", choices=["mean", "p50", "p90", "p99"], default="mean", help="compared with the SLOs"
+    )
     p.add_argument("--requests", type=_positive_int, default=20000, help="simulated requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-service", choices=["det", "exp"], default="det")
+    p.add_argument("--seed", type=int, default=0, help="seed of simulated arrivals and service times")
+    p.add_argument(
+        "--prefill-service", choices=["det", "exp"], default="det", help="simulated prefill time distribution"
+    )
     p.add_argument("--max-batch", type=_positive_int, default=None, help="decode batch cap per D instance")
     p.add_argument("--lengths", help='JSON Lines of {"input": N, "output": M} to replay in the simulator')
     p.add_argument("--plot-dir", type=Path, help="write decode-curve.png and attainment.png here")
@@ -90,7 +104,7 @@ def _kv_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive_int, required=True, help="tokens per request (prompt length)")
     p.add_argument("--link", help="link speed, e.g. 400Gbps or 50GB/s")
     p.add_argument("--dtype", help="KV-cache dtype if not the model's (e.g. fp8)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the sizes")
     return p
 
 
@@ -102,16 +116,22 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("profile.json"))
     p.add_argument("--decode-endpoint", help="measure decode on this server instead (a separate D pool)")
     p.add_argument("--model", help="model name to request (default: the first at /v1/models)")
-    p.add_argument("--ttft-samples", type=_positive_int, default=defaults.ttft_samples)
-    p.add_argument("--prefill-requests", type=_positive_int, default=defaults.prefill_requests)
-    p.add_argument("--prefill-concurrency", type=_positive_int, default=defaults.prefill_concurrency)
+    p.add_argument(
+        "--ttft-samples", type=_positive_int, default=defaults.ttft_samples, help="one-at-a-time requests"
+    )
+    p.add_argument(
+        "--prefill-requests", type=_positive_int, default=defaults.prefill_requests, help="saturated phase"
+    )
+    p.add_argument(
+        "--prefill-concurrency", type=_positive_int, default=defaults.prefill_concurrency, help="in flight"
+    )
     p.add_argument("--batches", type=_int_list, default=defaults.decode_batches, help="comma-separated")
-    p.add_argument("--decode-tokens", type=_positive_int, default=defaults.decode_tokens)
+    p.add_argument("--decode-tokens", type=_positive_int, default=defaults.decode_tokens, help="per request")
     p.add_argument("--decode-prompt-tokens", type=_positive_int, default=defaults.decode_prompt_tokens)
-    p.add_argument("--token-id-low", type=int, default=defaults.token_id_low)
-    p.add_argument("--token-id-high", type=_positive_int, default=defaults.token_id_high)
+    p.add_argument("--token-id-low", type=int, default=defaults.token_id_low, help="random prompt ids from")
+    p.add_argument("--token-id-high", type=_positive_int, default=defaults.token_id_high, help="... up to")
     p.add_argument("--timeout", type=_positive_float, default=defaults.timeout_s, help="per request (s)")
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random prompts")
     return p
 
 
@@ -287,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProfileError, kv.KVConfigError, ValueError) as exc:
         parser.error(str(exc))
     except (ProfilerError, aiohttp.ClientError, TimeoutError, OSError) as exc:
-        print(f"pd-plan {command}: cannot talk to the server: {exc!r}", file=sys.stderr)
+        print(f"pd-plan {command}: cannot talk to the server: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
 
