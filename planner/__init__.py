@@ -1,0 +1,7 @@
+"""SLO-aware capacity planner for prefill/decode disaggregation (``pd-plan``).
+
+Modules, one job each: ``profile`` (the measured profile file and its validation), ``model`` (the planning
+formulas), ``kv`` (KV-cache size and transfer time from a HF config), ``simulator`` (discrete-event xPyD
+simulation), ``profiler`` (measures a profile on a live OpenAI-compatible server), ``plots`` (PNG figures)
+and ``cli`` (the ``pd-plan`` command).
+"""

@@ -1,0 +1,83 @@
+"""PNG figures for a plan: the decode curve with the TPOT SLO, and SLO attainment over (P, D) shapes.
+
+Called by ``pd-plan --plot-dir`` and the validation benchmark. Uses matplotlib's Agg backend (files only, no
+display), and closes every figure it opens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from planner.profile import Profile
+from planner.simulator import SimSummary
+
+
+def plot_decode_curve(profile: Profile, tpot_slo_s: float, decode_tokens_per_s: float, path: Path) -> Path:
+    """TPOT and decode throughput vs batch (measured points), with the TPOT SLO and the planned throughput."""
+    points = profile.sorted_decode()
+    batches = np.array([p.batch for p in points])
+    tpots = np.array([p.tpot_s for p in points])
+    fig, left = plt.subplots(figsize=(7, 4.8))
+    try:
+        left.plot(batches, tpots * 1e3, "o-", color="tab:blue", label="TPOT (measured)")
+        left.axhline(
+            tpot_slo_s * 1e3, color="tab:red", linestyle="--", label=f"TPOT SLO {tpot_slo_s * 1e3:g} ms"
+        )
+        left.set_xlabel("decode batch (concurrent requests per D instance)")
+        left.set_ylabel("TPOT (ms)", color="tab:blue")
+        left.set_xscale("log", base=2)
+        right = left.twinx()
+        right.plot(batches, batches / tpots, "s-", color="tab:green", label="throughput (measured)")
+        right.axhline(
+            decode_tokens_per_s,
+            color="tab:green",
+            linestyle=":",
+            label=f"at SLO: {decode_tokens_per_s:.4g} tok/s",
+        )
+        right.set_ylabel("decode throughput (tokens/s)", color="tab:green")
+        handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8)
+        left.set_title("Decode: TPOT and throughput vs batch")
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_attainment(results: Sequence[SimSummary], planned: tuple[int, int], path: Path) -> Path:
+    """Heat map of simulated SLO attainment (both SLOs) over numbers of P and D; the plan is outlined."""
+    p_values = sorted({r.prefill_instances for r in results})
+    d_values = sorted({r.decode_instances for r in results})
+    grid = np.full((len(p_values), len(d_values)), np.nan)
+    for r in results:
+        grid[p_values.index(r.prefill_instances), d_values.index(r.decode_instances)] = r.slo_attainment * 100
+    fig, ax = plt.subplots(figsize=(1.2 * len(d_values) + 2.5, 0.9 * len(p_values) + 1.8))
+    try:
+        image = ax.imshow(grid, origin="lower", cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        for i in range(len(p_values)):
+            for j in range(len(d_values)):
+                ax.text(j, i, f"{grid[i, j]:.0f}%", ha="center", va="center", fontsize=9)
+        if planned[0] in p_values and planned[1] in d_values:
+            i, j = p_values.index(planned[0]), d_values.index(planned[1])
+            ax.add_patch(
+                plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.5)
+            )
+        ax.set_xticks(range(len(d_values)), [str(d) for d in d_values])
+        ax.set_yticks(range(len(p_values)), [str(p) for p in p_values])
+        ax.set_xlabel("D instances")
+        ax.set_ylabel("P instances")
+        ax.set_title("Simulated SLO attainment (TTFT and TPOT)")
+        fig.colorbar(image, ax=ax, label="% of requests within both SLOs")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
