@@ -48,12 +48,21 @@ class IOThread:
         return self.submit(coro).result(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop and join the thread (idempotent)."""
+        """Cancel the loop's remaining tasks, stop it and join the thread (idempotent)."""
         if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.run(self._cancel_tasks(), timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()
+
+    @staticmethod
+    async def _cancel_tasks() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Connection:

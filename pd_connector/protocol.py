@@ -98,10 +98,15 @@ class Done(msgspec.Struct, tag="done"):
 
 
 class Abort(msgspec.Struct, tag="abort"):
-    """Give up a transfer; the receiver stops using the blocks and answers ``Ack``."""
+    """Give up a transfer; the receiver stops using the blocks and answers ``Ack``.
+
+    ``failure``: True when the sender hit an error (timeout, lease, bad input, write error) rather than
+    being asked to abort; the other side then reports FAILED instead of ABORTED.
+    """
 
     transfer_id: str
     reason: str
+    failure: bool = False
 
 
 class Ack(msgspec.Struct, tag="ack"):

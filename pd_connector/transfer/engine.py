@@ -435,7 +435,7 @@ class TransferEngine:
             logger.error(
                 "pd_connector transfer %s: bad destinations from %s: %s", tid, peer.engine_id, problem
             )
-            peer.conn.send(Abort(tid, f"prefill refused destinations: {problem}"))
+            peer.conn.send(Abort(tid, f"prefill refused destinations: {problem}", failure=True))
             return
         st = self._sends.get(tid)
         if st is None:  # D was faster than P's scheduler: keep the destinations until offer() (or lease end)
@@ -461,7 +461,9 @@ class TransferEngine:
         if entry is not None:
             self._count(expired_leases=1)
             entry[0].conn.send(
-                Abort(tid, f"prefill never offered this transfer within {self.config.lease_s} s")
+                Abort(
+                    tid, f"prefill never offered this transfer within {self.config.lease_s} s", failure=True
+                )
             )
 
     def _drop_orphan(self, tid: str) -> None:
@@ -476,7 +478,8 @@ class TransferEngine:
         st = self._sends.get(tid)
         if st is not None and st.peer is peer and st.ending is None:
             st.decode_aborted = True
-            self._end_send(st, TransferState.ABORTED, f"decode aborted: {msg.reason}")
+            state = TransferState.FAILED if msg.failure else TransferState.ABORTED
+            self._end_send(st, state, f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}")
         elif st is not None and st.peer is peer:
             pass  # already ending: our Abort follows once drained, and D takes it as the answer
         else:
@@ -642,7 +645,10 @@ class TransferEngine:
             st.timer.cancel()
         if st.peer is not None and state is not TransferState.DONE:
             # Decode's Abort gets our Ack; our own failure or abort gets an Abort (D answers with Ack).
-            st.peer.conn.send(Ack(st.transfer_id) if st.decode_aborted else Abort(st.transfer_id, reason))
+            failure = state is TransferState.FAILED
+            st.peer.conn.send(
+                Ack(st.transfer_id) if st.decode_aborted else Abort(st.transfer_id, reason, failure)
+            )
         if state is TransferState.DONE:
             self._count(transfers_sent=1)
         self._report(
@@ -766,8 +772,12 @@ class TransferEngine:
             assert link.conn is not None
             link.conn.send(Ack(msg.transfer_id))
             if rt is not None:
-                why = rt.ending[1] if rt.ending is not None else f"prefill aborted: {msg.reason}"
-                self._finish_recv(rt, TransferState.ABORTED if rt.ending is None else rt.ending[0], why)
+                if rt.ending is not None:  # we had given up already: P's Abort crossed ours
+                    self._finish_recv(rt, *rt.ending)
+                elif msg.failure:
+                    self._finish_recv(rt, TransferState.FAILED, f"prefill failed: {msg.reason}")
+                else:
+                    self._finish_recv(rt, TransferState.ABORTED, f"prefill aborted: {msg.reason}")
         elif isinstance(msg, Ack):
             if rt is not None and rt.ending is not None:
                 self._finish_recv(rt, *rt.ending)
@@ -788,7 +798,7 @@ class TransferEngine:
             self._finish_recv(rt, state, reason)  # P never learnt our blocks: nothing can write into them
             return
         rt.ending = (state, reason)
-        rt.link.conn.send(Abort(rt.transfer_id, reason))
+        rt.link.conn.send(Abort(rt.transfer_id, reason, state is TransferState.FAILED))
         if rt.timer is not None:
             rt.timer.cancel()
         rt.timer = self._loop().call_later(self.config.abort_grace_s, self._abort_unanswered, rt)

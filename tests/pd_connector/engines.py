@@ -14,7 +14,13 @@ from pd_connector.transfer import TransferConfig, TransferEngine, TransferResult
 from pd_connector.transport.base import Transport
 
 SMALL = KVLayout(
-    num_layers=3, block_tokens=4, num_kv_heads=2, head_dim=4, dtype="float16", kv_split=False, token_major=False
+    num_layers=3,
+    block_tokens=4,
+    num_kv_heads=2,
+    head_dim=4,
+    dtype="float16",
+    kv_split=False,
+    token_major=False,
 )
 
 
@@ -57,12 +63,15 @@ class KVCache:
 def make_engine(
     cache: KVCache, transport: Transport, listen: bool, name: str | None = None, **config: object
 ) -> TransferEngine:
-    cfg = TransferConfig(
-        engine_id=name or uuid.uuid4().hex[:8],
-        listen_port=0 if listen else None,
-        **config,  # type: ignore[arg-type]
-    )
+    config.setdefault("listen_port", 0 if listen else None)
+    cfg = TransferConfig(engine_id=name or uuid.uuid4().hex[:8], **config)  # type: ignore[arg-type]
     return TransferEngine(cfg, cache.layout, cache.buffers(), transport)
+
+
+def addr(engine: TransferEngine) -> str:
+    """The side-channel address of a listening engine."""
+    assert engine.address is not None
+    return engine.address
 
 
 @contextmanager
