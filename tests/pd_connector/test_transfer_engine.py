@@ -330,3 +330,15 @@ def test_bytes_arrive_exactly_for_random_block_maps(data: st.DataObject) -> None
         assert_no_state(pr.p, pr.d)
     finally:
         pr.close()
+
+
+def test_idle_engines_do_not_spin(pair: Pair) -> None:
+    """An open, idle connection costs (almost) no CPU: the I/O threads sleep between heartbeats."""
+    pair.d.expect("warm", addr(pair.p), [1], 4)
+    pair.push_all("warm", [2])
+    wait_results(pair.d, {"warm"})
+    wait_results(pair.p, {"warm"})
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    busy = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+    assert busy < 0.05, f"idle engines used {busy:.1%} of a core"
