@@ -70,8 +70,9 @@ class Destinations(msgspec.Struct, tag="destinations"):
     """Where P should write transfer ``transfer_id``: D's block ids in token order.
 
     ``block_ids`` applies to every layer; ``layer_block_ids`` (one list per layer) overrides it for caches
-    whose layers have different block tables. ``num_tokens``: prompt tokens D wants (P writes at most
-    these). ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
+    whose layers have different block tables. P writes tokens ``[start_token, num_tokens)``: D already holds
+    the first ``start_token`` (a local prefix-cache hit, block-aligned) and the tables still start at token 0.
+    ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
     """
 
     transfer_id: str
@@ -79,6 +80,7 @@ class Destinations(msgspec.Struct, tag="destinations"):
     lease_s: float
     block_ids: list[int] = []
     layer_block_ids: list[list[int]] | None = None
+    start_token: int = 0
 
 
 class LayerDone(msgspec.Struct, tag="layer_done"):

@@ -159,11 +159,14 @@ class TransferEngine:
         num_tokens: int,
         timeout_s: float | None = None,
         layer_dst_blocks: Sequence[Sequence[int]] | None = None,
+        start_token: int = 0,
     ) -> None:
         """Ask P at ``prefill_addr`` to write the first ``num_tokens`` tokens of ``transfer_id`` into D's blocks.
 
         ``dst_blocks``: D block ids in token order, shared by every layer; or ``layer_dst_blocks``, one list
-        per layer, for caches whose layers have different block tables (``dst_blocks`` is then ignored). Connects
+        per layer, for caches whose layers have different block tables (``dst_blocks`` is then ignored).
+        ``start_token``: tokens D already has (a local prefix-cache hit; a multiple of the block size for
+        heads-major layouts): P skips them, and the tables still start at token 0. Connects
         and handshakes with P if needed, then sends ``Destinations``. Ends in ``poll()`` as DONE (the blocks
         hold the KV) or FAILED/ABORTED within ``timeout_s`` (default ``config.load_timeout_s``) plus
         ``abort_grace_s``; P is told to stop writing before FAILED is reported, or its connection is closed.
@@ -173,6 +176,11 @@ class TransferEngine:
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         if timeout <= 0 or num_tokens <= 0:
             raise ValueError(f"timeout_s and num_tokens must be positive, got {timeout}, {num_tokens}")
+        if not 0 <= start_token < num_tokens or start_token % self.layout.granule_tokens:
+            raise ValueError(
+                f"start_token {start_token} must be in [0, {num_tokens}) and a multiple of "
+                f"{self.layout.granule_tokens} (the layout's granule)"
+            )
         per_layer = layer_dst_blocks is not None
         tables = [[int(b) for b in t] for t in layer_dst_blocks or [dst_blocks]]
         if per_layer and len(tables) != self.layout.num_layers:
@@ -188,6 +196,7 @@ class TransferEngine:
             timeout,
             block_ids=[] if per_layer else tables[0],
             layer_block_ids=tables if per_layer else None,
+            start_token=start_token,
         )
         with self._lock:
             if transfer_id in self._recv_ids:
@@ -451,6 +460,8 @@ class TransferEngine:
             return f"{len(tables)} per-layer tables for {d.num_layers} layers"
         if dests.num_tokens <= 0 or dests.lease_s <= 0:
             return "num_tokens and lease_s must be positive"
+        if not 0 <= dests.start_token < dests.num_tokens or dests.start_token % d.granule_tokens:
+            return f"start_token {dests.start_token} is not a granule boundary below num_tokens"
         for table in tables:
             if len(table) * d.block_tokens < dests.num_tokens:
                 return f"{len(table)} blocks cannot hold {dests.num_tokens} tokens"
@@ -550,7 +561,7 @@ class TransferEngine:
         dests, mapping = st.dests, st.peer.mapping
         ps = self.layout.block_tokens
         stop = len(st.src_blocks) if end is None else end
-        first, last = start * ps, min(stop * ps, dests.num_tokens)
+        first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)
         if first >= last:
             return
         dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids

@@ -44,9 +44,13 @@ class Pair:
             self.p.push_layer(tid, layer)
         self.p.finish(tid, first_token)
 
-    def assert_copied(self, src: list[int], dst: list[int], num_tokens: int) -> None:
+    def assert_copied(self, src: list[int], dst: list[int], num_tokens: int, start_token: int = 0) -> None:
+        """Tokens ``[start_token, num_tokens)`` equal on both sides; D's earlier tokens untouched (zero)."""
+        cut = start_token * self.dc.layout.token_bytes
         for region in range(len(self.pc.arrays)):
-            assert self.pc.tokens(region, src, num_tokens) == self.dc.tokens(region, dst, num_tokens), region
+            want, got = self.pc.tokens(region, src, num_tokens), self.dc.tokens(region, dst, num_tokens)
+            assert want[cut:] == got[cut:], region
+            assert not any(got[:cut]), region
 
     def close(self) -> None:
         self.p.close()
@@ -127,7 +131,18 @@ def test_per_layer_destination_tables(pair: Pair) -> None:
         assert pair.pc.tokens(layer, [20, 21], 8) == pair.dc.tokens(layer, dst, 8)
 
 
+def test_prefix_cached_tokens_are_skipped(pair: Pair) -> None:
+    """D already holds block 0 (a local prefix-cache hit): P writes only what follows."""
+    pair.d.expect("pc", addr(pair.p), [7, 8, 9], 12, start_token=4)
+    pair.push_all("pc", [1, 2, 3])
+    assert wait_results(pair.d, {"pc"})["pc"].state is TransferState.DONE
+    assert wait_results(pair.p, {"pc"})["pc"].bytes == 3 * 2 * SMALL.block_bytes
+    pair.assert_copied([1, 2, 3], [7, 8, 9], 12, start_token=4)
+
+
 def test_bad_expect_arguments_fail_fast(pair: Pair) -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pair.d.expect("x", addr(pair.p), [1, 2], 8, start_token=2)
     with pytest.raises(ValueError, match="cannot hold 9 tokens"):
         pair.d.expect("x", addr(pair.p), [1, 2], 9)
     with pytest.raises(ValueError, match="host:port"):
@@ -317,16 +332,18 @@ def test_bytes_arrive_exactly_for_random_block_maps(data: st.DataObject) -> None
     p_layout = msgspec.structs.replace(base, block_tokens=p_bt)
     d_layout = msgspec.structs.replace(base, block_tokens=d_bt)
     num_tokens = data.draw(st.integers(1, 40), "num_tokens")
+    granule = 1 if token_major else p_bt
+    start_token = data.draw(st.integers(0, (num_tokens - 1) // granule), "start_blocks") * granule
     p_n, d_n = -(-num_tokens // p_bt), -(-num_tokens // d_bt)
     src = data.draw(st.permutations(range(32)), "src")[:p_n]
     dst = data.draw(st.permutations(range(32)), "dst")[:d_n]
     pr = Pair(p_layout, d_layout)
     try:
-        pr.d.expect("r", addr(pr.p), dst, num_tokens)
+        pr.d.expect("r", addr(pr.p), dst, num_tokens, start_token=start_token)
         pr.push_all("r", src)
         assert wait_results(pr.d, {"r"})["r"].state is TransferState.DONE
         assert wait_results(pr.p, {"r"})["r"].state is TransferState.DONE
-        pr.assert_copied(src, dst, num_tokens)
+        pr.assert_copied(src, dst, num_tokens, start_token)
         assert_no_state(pr.p, pr.d)
     finally:
         pr.close()
