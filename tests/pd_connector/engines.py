@@ -13,6 +13,9 @@ from pd_connector.layout import KVLayout
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import Transport
 
+#: Scheduling slack added to every "ends within its timeout" bound: the machine is shared and loaded.
+SLACK_S = 2.0
+
 SMALL = KVLayout(
     num_layers=3,
     block_tokens=4,

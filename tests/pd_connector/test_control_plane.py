@@ -19,6 +19,7 @@ from pd_connector.protocol import HEADER, MAGIC, Destinations, Hello, HelloAck, 
 from pd_connector.transfer import TransferEngine, TransferState
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from tests.pd_connector.engines import (
+    SLACK_S,
     SMALL,
     KVCache,
     addr,
@@ -134,7 +135,7 @@ def test_handshake_must_come_within_the_connect_timeout(prefill: Prefill) -> Non
     peer = RawPeer.connect(prefill.addr)
     t0 = time.monotonic()
     assert peer.closed_by_peer(timeout_s=5)
-    assert time.monotonic() - t0 < 3 * FAST["connect_timeout_s"]
+    assert time.monotonic() - t0 < FAST["connect_timeout_s"] + SLACK_S
     peer.close()
 
 
@@ -148,7 +149,7 @@ def test_silent_decode_is_dropped_and_its_transfers_released(prefill: Prefill) -
     t0 = time.monotonic()
     r = wait_results(prefill.engine, {"hb"}, timeout_s=5)["hb"]  # no heartbeats from the raw peer
     assert r.state is TransferState.FAILED and "no heartbeat" in r.reason
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + SLACK_S
     sizes = prefill.engine.table_sizes()
     assert sizes["peers"] == 0
     assert_no_state(prefill.engine)
@@ -176,7 +177,7 @@ def test_silent_prefill_fails_decode_before_its_load_timeout() -> None:
         d.expect("s", f"127.0.0.1:{server.getsockname()[1]}", [1], 4, timeout_s=30)
         r = wait_results(d, {"s"}, timeout_s=5)["s"]
         assert r.state is TransferState.FAILED and "no heartbeat" in r.reason
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + SLACK_S
         assert_no_state(d)
     stop.set()
     thread.join(5)
@@ -238,7 +239,7 @@ def test_decode_process_killed_mid_transfer_releases_prefill(prefill: Prefill) -
         t0 = time.monotonic()
         r = wait_results(prefill.engine, {"killme"}, timeout_s=5)["killme"]
         assert r.state is TransferState.FAILED and "lost" in r.reason
-        assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + 1.0
+        assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + SLACK_S
         prefill.engine.push_layer("killme", 1)  # the adapter's late call is harmless
         assert prefill.engine.table_sizes()["peers"] == 0
         assert_no_state(prefill.engine)
@@ -265,7 +266,7 @@ def test_prefill_process_killed_mid_transfer_fails_decode() -> None:
             t0 = time.monotonic()
             r = wait_results(d, {"k"}, timeout_s=5)["k"]
             assert r.state is TransferState.FAILED and "lost" in r.reason
-            assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + 1.0
+            assert time.monotonic() - t0 < FAST["heartbeat_timeout_s"] + SLACK_S
             assert_no_state(d)
             assert d.table_sizes()["links"] == 0
     finally:
