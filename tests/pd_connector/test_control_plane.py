@@ -9,14 +9,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 
 import msgspec
 import numpy as np
 import pytest
 
-from pd_connector.protocol import HEADER, MAGIC, Destinations, Hello, HelloAck, Refused
+from pd_connector.protocol import (
+    HEADER,
+    MAGIC,
+    Abort,
+    Ack,
+    Destinations,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Message,
+    Refused,
+)
 from pd_connector.transfer import TransferEngine, TransferState
+from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from tests.pd_connector.engines import (
     SLACK_S,
@@ -44,10 +57,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Prefill:
     """A listening prefill engine, plus decode memory registered in the same fabric for raw peers."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: type[LoopbackTransport] = LoopbackTransport, **config: object) -> None:
         self.fabric = LoopbackFabric()
         self.cache = KVCache(SMALL, 16, seed=3)
-        self.engine = make_engine(self.cache, LoopbackTransport(self.fabric), True, "P", **FAST)
+        self.engine = make_engine(self.cache, transport(self.fabric), True, "P", **{**FAST, **config})
         self.addr = addr(self.engine)
         self.d_cache = KVCache(SMALL, 16, seed=None)
         self.d_transport = LoopbackTransport(self.fabric)
@@ -273,3 +286,98 @@ def test_prefill_process_killed_mid_transfer_fails_decode() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def _connected_raw_decode(prefill: Prefill) -> RawPeer:
+    peer = RawPeer.connect(prefill.addr)
+    peer.send(hello(SMALL, prefill.d_memory))
+    assert isinstance(peer.recv(), HelloAck)
+    return peer
+
+
+def _next_non_heartbeat(peer: RawPeer) -> Message | None:
+    while isinstance(msg := peer.recv(), Heartbeat):
+        pass
+    return msg
+
+
+def test_bad_or_duplicate_destinations_are_answered_with_abort(prefill: Prefill) -> None:
+    peer = _connected_raw_decode(prefill)
+    peer.send(Destinations("small", 12, 30.0, block_ids=[1, 2]))  # 2 blocks of 4 cannot hold 12 tokens
+    msg = _next_non_heartbeat(peer)
+    assert isinstance(msg, Abort) and msg.failure and "cannot hold 12 tokens" in msg.reason
+    peer.send(Destinations("dup", 8, 30.0, block_ids=[1, 2]))
+    peer.send(Destinations("dup", 8, 30.0, block_ids=[3, 4]))
+    msg = _next_non_heartbeat(peer)
+    assert isinstance(msg, Abort) and "already given" in msg.reason
+    peer.send(Abort("dup", "never mind"))
+    msg = _next_non_heartbeat(peer)
+    assert msg == Ack("dup")
+    assert_no_state(prefill.engine)
+    peer.close()
+
+
+def test_destinations_never_offered_expire_with_the_lease() -> None:
+    prefill = Prefill(lease_s=0.3)
+    try:
+        peer = _connected_raw_decode(prefill)
+        peer.send(Destinations("ghost", 8, 30.0, block_ids=[1, 2]))
+        msg = _next_non_heartbeat(peer)
+        assert isinstance(msg, Abort) and msg.failure and "never offered" in msg.reason
+        assert prefill.engine.counters().expired_leases == 1
+        assert_no_state(prefill.engine)
+        peer.close()
+    finally:
+        prefill.close()
+
+
+def test_write_error_fails_the_transfer_and_tells_decode(prefill: Prefill) -> None:
+    peer = _connected_raw_decode(prefill)
+    peer.send(Destinations("w", 8, 30.0, block_ids=[1, 2]))
+    prefill.d_transport.close()  # D's memory is deregistered under P's feet
+    prefill.engine.offer("w", [3, 4])
+    prefill.engine.push_layer("w", 0)
+    r = wait_results(prefill.engine, {"w"})["w"]
+    assert r.state is TransferState.FAILED and "write failed" in r.reason
+    msg = _next_non_heartbeat(peer)
+    assert isinstance(msg, Abort) and msg.failure and "write failed" in msg.reason
+    assert_no_state(prefill.engine)
+    peer.close()
+
+
+class StallingTransport(LoopbackTransport):
+    """Writes never complete until the peer is detached (a hung link); detach fails them, as UCX/TCP do."""
+
+    def __init__(self, fabric: LoopbackFabric) -> None:
+        super().__init__(fabric)
+        self.pending: dict[str, list[Future[int]]] = {}
+
+    def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        future: Future[int] = Future()
+        self.pending.setdefault(peer_id, []).append(future)
+        return future
+
+    def detach(self, peer_id: str) -> None:
+        for future in self.pending.pop(peer_id, []):
+            future.set_exception(ConnectionError("detached"))
+        super().detach(peer_id)
+
+
+def test_write_timeout_drops_the_peer_and_releases_the_blocks() -> None:
+    prefill = Prefill(StallingTransport, write_timeout_s=0.3)
+    d_cache = KVCache(SMALL, 16, None)  # must outlive the engine: it holds raw addresses
+    d = make_engine(d_cache, StallingTransport(prefill.fabric), False, "D", **FAST)
+    try:
+        d.expect("stall", prefill.addr, [1, 2], 8)
+        prefill.engine.offer("stall", [3, 4])
+        prefill.engine.push_layer("stall", 0)
+        t0 = time.monotonic()
+        p = wait_results(prefill.engine, {"stall"})["stall"]
+        assert p.state is TransferState.FAILED and "within 0.3 s" in p.reason
+        assert time.monotonic() - t0 < 0.3 + SLACK_S
+        r = wait_results(d, {"stall"})["stall"]
+        assert r.state is TransferState.FAILED and "lost" in r.reason
+        assert_no_state(prefill.engine, d)
+    finally:
+        d.close()
+        prefill.close()
