@@ -65,6 +65,9 @@ class _Send:
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
     decode_aborted: bool = False  # D asked to abort: answer Ack (not Abort) once drained
     timer: asyncio.TimerHandle | None = None
+    # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
+    # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
+    runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(eq=False)
@@ -304,12 +307,17 @@ class Sender:
         first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)
         if first >= last:
             return
-        dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
-        try:
-            copies = st.peer.mapping.copies(layer, st.src_blocks, dst, first, last)
-        except ValueError as e:
-            self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
-            return
+        per_layer = dests.layer_block_ids is not None
+        key = (first, last, layer if per_layer else -1)
+        runs = st.runs.get(key)
+        if runs is None:
+            dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
+            try:
+                runs = st.runs[key] = st.peer.mapping.runs(st.src_blocks, dst, first, last)
+            except ValueError as e:
+                self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
+                return
+        copies = st.peer.mapping.layer_copies(layer, runs)
         st.tokens_covered = max(st.tokens_covered, last)
         st.inflight += 1
         started = time.monotonic()
