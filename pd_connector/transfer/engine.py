@@ -123,7 +123,7 @@ class TransferEngine:
         """Declare (or extend, for chunked prefill) P's block table for ``transfer_id``, in token order.
 
         The first call starts the sender state (WAITING) and its lease: if no activity (destinations, push,
-        landed write, D's Ack) happens for ``config.lease_s``, the transfer ends FAILED with
+        landed write) happens for ``config.lease_s``, the transfer ends FAILED with
         ``lease_expired`` and its blocks are released. A later call passes the whole, longer table (the
         known prefix must not change).
         """
@@ -144,7 +144,8 @@ class TransferEngine:
         """No more pushes: once every write landed, send ``Done`` (with the first sampled token, if any).
 
         The time from this call until the writes landed is the exposed transfer time. The transfer is
-        reported DONE after D's ``Ack`` (or FAILED when D dies or the lease expires first).
+        reported DONE once every write landed and ``Done`` was sent (push model: P's blocks are free then),
+        or FAILED when D dies, a write fails or the lease expires first.
         """
         self._post(self._sender.finish, transfer_id, first_token, time.monotonic())
 

@@ -175,8 +175,8 @@ class Receiver:
                 rt.bytes += msg.bytes
                 self.ctx.count(bytes_received=msg.bytes)
         elif isinstance(msg, (Done, Abort)):
-            assert link.conn is not None
-            link.conn.send(Ack(msg.transfer_id))
+            if isinstance(msg, Abort) and link.conn is not None:
+                link.conn.send(Ack(msg.transfer_id))
             if rt is not None:
                 self._on_end(rt, msg)
         elif isinstance(msg, Ack):

@@ -60,7 +60,6 @@ class _Send:
     first_token: int | None = None
     tokens_covered: int = 0
     bytes: int = 0
-    done_sent: bool = False
     exposed_s: float = 0.0
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
     decode_aborted: bool = False  # D asked to abort: answer Ack (not Abort) once drained
@@ -173,9 +172,7 @@ class Sender:
         if isinstance(msg, Destinations):
             self._on_destinations(peer, msg)
         elif isinstance(msg, Ack):
-            st = self.sends.get(msg.transfer_id)
-            if st is not None and st.peer is peer and st.done_sent:
-                self._end(st, TransferState.DONE, "")
+            pass  # D answering our Abort: we sent it only after our writes drained, nothing waits for it
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         else:
@@ -352,7 +349,7 @@ class Sender:
         self._maybe_done(st)
 
     def _maybe_done(self, st: _Send) -> None:
-        if st.peer is None or st.finished_at is None or st.inflight or st.done_sent or st.ending is not None:
+        if st.peer is None or st.finished_at is None or st.inflight or st.ending is not None:
             return
         assert st.dests is not None
         if st.tokens_covered < st.dests.num_tokens:
@@ -360,10 +357,11 @@ class Sender:
             self._end(st, TransferState.FAILED, reason)
             return
         st.exposed_s = time.monotonic() - st.finished_at
-        st.done_sent = True
         self.ctx.count(exposed_seconds=st.exposed_s)
         st.peer.conn.send(Done(st.transfer_id, st.tokens_covered, st.first_token))
-        self._arm(st)  # D's Ack must come within the lease
+        # Push model: every byte is in D's memory and P's blocks are read by nobody else, so they are free
+        # now; waiting for D to acknowledge Done would only hold P's memory one round trip longer.
+        self._end(st, TransferState.DONE, "")
 
     def _end(self, st: _Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
         """Stop scheduling writes; report once the in-flight ones drained (the source blocks are free then)."""
