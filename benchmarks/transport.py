@@ -24,12 +24,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
 from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.ucx import UcxConfig
+
+#: The environment before anything imported ucxx, which sets UCX_RNDV_FRAG_MEM_TYPE=cuda and UCX_RNDV_THRESH
+#: in os.environ at import: child processes (receivers, the NIXL sender) must not inherit those.
+CLEAN_ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 MESSAGE_BYTES = 64 << 20  # moved per repetition of a message-size test
@@ -127,7 +132,7 @@ def _serve_raw(memory: Memory) -> tuple[bytes, Callable[[], None]]:
     from pd_connector.transport.loop_thread import LoopThread
 
     io = LoopThread("raw-socket")
-    view = memoryview(memory.messages)
+    view = memory.messages.data
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -147,7 +152,7 @@ def _serve_raw(memory: Memory) -> tuple[bytes, Callable[[], None]]:
     return struct.pack("!H", port), io.stop
 
 
-def _nixl_agent(name: str):  # type: ignore[no-untyped-def]
+def _nixl_agent(name: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
@@ -169,10 +174,9 @@ def _serve_nixl(memory: Memory) -> tuple[bytes, Callable[[], None]]:
 
 class Receiver:
     def __init__(self, kind: str, tls: str = "") -> None:
-        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.transport", "--serve", kind, "--tls", tls],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
         )  # fmt: skip
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -198,7 +202,7 @@ class Receiver:
 
 
 # -- measurements ------------------------------------------------------------------------------------------------
-def median_gbps(nbytes: int, run: Callable[[], None], reps: int) -> float:
+def median_gbps(nbytes: int, run: Callable[[], object], reps: int) -> float:
     run()  # warm-up: connection set-up, registration caches, page faults
     times = []
     for _ in range(reps):
@@ -222,7 +226,7 @@ def bench_memcpy(memory: Memory, target: Memory, reps: int) -> tuple[list[float]
         n = MESSAGE_BYTES // size
         src, dst = memory.messages.reshape(n, size), target.messages.reshape(n, size)
         order = np.arange(n - 1, -1, -1)
-        out.append(median_gbps(MESSAGE_BYTES, lambda s=src, d=dst, o=order: d.__setitem__(o, s), reps))
+        out.append(median_gbps(MESSAGE_BYTES, partial(dst.__setitem__, order, src), reps))
     src_idx, dst_idx = np.array(KV_SRC), np.array(KV_DST)
 
     def kv() -> None:
@@ -230,6 +234,10 @@ def bench_memcpy(memory: Memory, target: Memory, reps: int) -> tuple[list[float]
             target.kv[r][dst_idx] = memory.kv[r][src_idx]
 
     return out, median_gbps(KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK, kv, reps)
+
+
+def _write_and_wait(sender: Transport, copies: list[BlockCopy]) -> int:
+    return sender.write("receiver", copies).result(120)
 
 
 def bench_ours(
@@ -243,9 +251,7 @@ def bench_ours(
         sizes = []
         for i in range(len(SIZES)):
             copies = message_copies(i)
-            sizes.append(
-                median_gbps(MESSAGE_BYTES, lambda c=copies: sender.write("receiver", c).result(120), reps)
-            )
+            sizes.append(median_gbps(MESSAGE_BYTES, partial(_write_and_wait, sender, copies), reps))
             log(f"  {name} {SIZES[i] >> 10} KiB: {sizes[-1]:.2f} GB/s")
         layers = [layer_copies(layer) for layer in range(LAYERS)]
 
@@ -266,7 +272,7 @@ def bench_ours(
 def bench_raw(memory: Memory, reps: int) -> list[float]:
     receiver = Receiver("raw")
     (port,) = struct.unpack("!H", receiver.descriptor)
-    view = memoryview(memory.messages)
+    view = memory.messages.data
 
     async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> None:
         n = MESSAGE_BYTES // size
@@ -337,7 +343,7 @@ def bench_nixl(memory: Memory, reps: int) -> tuple[list[float], float, float]:
             sizes.append(
                 median_gbps(
                     MESSAGE_BYTES,
-                    lambda a=local, b=remote, i=lidx, j=ridx: finish(transfer(a, b, i, j)),
+                    partial(lambda *a: finish(transfer(*a)), local, remote, lidx, ridx),
                     reps,
                 )
             )
@@ -387,10 +393,9 @@ def bench_nixl(memory: Memory, reps: int) -> tuple[list[float], float, float]:
 def run_nixl_sender(reps: int) -> tuple[list[float], float, float]:
     """NIXL bundles its own libucp (1.23); this process already loaded ucxx's 1.21, so NIXL sends from a
     fresh process (``--nixl-sender``) that never imports ucxx."""
-    env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.transport", "--nixl-sender", "--reps", str(reps)],
-        stdout=subprocess.PIPE, text=True, env=env, timeout=1800, check=True,
+        stdout=subprocess.PIPE, text=True, env=CLEAN_ENV, timeout=1800, check=True,
     )  # fmt: skip
     line = next(x for x in proc.stdout.splitlines() if x.startswith("NIXL_RESULT "))
     result = json.loads(line.split(" ", 1)[1])
@@ -416,7 +421,6 @@ def main() -> None:
         sizes, kv, idle_nixl = bench_nixl(Memory(fill=True), args.reps)
         print("NIXL_RESULT", json.dumps({"sizes": sizes, "kv": kv, "idle": idle_nixl}), flush=True)
         return
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     memory, target = Memory(fill=True), Memory(fill=False)
     log(f"kv-shaped: {LAYERS} layers x K,V x {PROMPT_BLOCKS} blocks x {KV_BLOCK >> 10} KiB = "
         f"{KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK >> 20} MiB, {len(layer_copies(0))} block copies per layer")  # fmt: skip
