@@ -221,6 +221,7 @@ class TransferEngine:
             self._sender.serve_peer,
         )
         host, port = server.sockets[0].getsockname()[:2]
+        host = cfg.advertise_host or host
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return server
 

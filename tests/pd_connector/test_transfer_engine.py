@@ -455,3 +455,13 @@ def test_decode_abort_before_its_destinations_left_releases_prefill_at_once() ->
         r = wait_results(pr.p, {"gone"}, timeout_s=5)["gone"]  # not after the 30 s lease
         assert r.state is TransferState.ABORTED and "client left" in r.reason
         assert_no_state(pr.p, pr.d)
+
+
+def test_wildcard_listener_advertises_the_configured_host() -> None:
+    fabric = LoopbackFabric()
+    cache = KVCache(SMALL, 4, seed=None)
+    engine = make_engine(
+        cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", advertise_host="127.0.0.1"
+    )
+    with closing(engine):
+        assert addr(engine).startswith("127.0.0.1:")
