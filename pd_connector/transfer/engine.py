@@ -31,7 +31,8 @@ class TransferEngine:
     """Moves KV blocks of individual requests from P to D over ``transport``, driven by the control plane.
 
     ``buffers``: the local KV buffers as ``(address, length_bytes)``, ordered as ``KVLayout.regions``
-    expects; the engine registers them with ``transport`` and closes the transport in ``close``.
+    expects; the engine registers them with ``transport``. The engine owns ``transport`` from here on: it
+    closes it in ``close`` or when construction fails (bad buffers, listener port taken).
     """
 
     def __init__(
@@ -43,7 +44,11 @@ class TransferEngine:
     ) -> None:
         self.config = config
         self.layout = layout
-        memory = transport.register(layout.regions(buffers))
+        try:
+            memory = transport.register(layout.regions(buffers))
+        except BaseException:
+            transport.close()
+            raise
         self._ctx = EngineContext(config, layout, transport)
         self._sender = Sender(self._ctx)
         self._receiver = Receiver(self._ctx, memory)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_connector.layout import KVLayout
-from pd_connector.transfer import TransferState
+from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from tests.pd_connector.engines import (
     SLACK_S,
@@ -465,3 +466,17 @@ def test_wildcard_listener_advertises_the_configured_host() -> None:
     )
     with closing(engine):
         assert addr(engine).startswith("127.0.0.1:")
+
+
+def test_construction_failures_release_the_transport() -> None:
+    fabric = LoopbackFabric()
+    cache = KVCache(SMALL, 4, seed=None)
+    with pytest.raises(ValueError, match="buffers"):
+        TransferEngine(TransferConfig(engine_id="x"), SMALL, cache.buffers()[:1], LoopbackTransport(fabric))
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(OSError):
+            make_engine(cache, LoopbackTransport(fabric), True, listen_port=taken.getsockname()[1])
+    finally:
+        taken.close()
+    assert len(fabric) == 0
