@@ -1,0 +1,139 @@
+"""What a streamed response has delivered so far, and how a resumed stream is stitched onto it.
+
+The router passes each upstream SSE event to the client byte for byte (vLLM's framing, usage chunk included).
+For a resumable request it also decodes each event (a few microseconds with msgspec) to remember the text
+and the number of tokens already delivered. If the decode worker fails mid-stream, ``continuation`` builds the
+request for another decode worker (completions: prompt + text so far; chat: the partial assistant message,
+continued with ``continue_final_message``), and ``Stitcher`` rewrites that worker's events so the client sees
+one stream: the original ``id`` and ``created``, no second role chunk, and usage counting both legs.
+
+Limits (documented in docs/router.md): the continuation is text-level, so the second worker re-tokenizes
+prompt + text so far; at a token boundary that a tokenizer would merge differently the remaining tokens may
+differ from an uninterrupted run (never repeated or lost text). Tokens are counted as one per content event,
+which is how vLLM streams by default (``stream_interval`` 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from router.requests import Parsed
+
+DONE = b"data: [DONE]\n\n"
+_PREFIX = b"data: "
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    role: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    id: str = ""
+    created: int = 0
+    choices: list[_Choice] = []
+
+
+_decoder = msgspec.json.Decoder(_Chunk)
+
+
+class StreamState:
+    """Tracks one streamed response (resumable requests only)."""
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.created = 0
+        self.text: list[str] = []
+        self.tokens = 0
+        self.finished = False  # a finish_reason was sent: only usage / [DONE] can follow
+
+    def observe(self, event: bytes) -> None:
+        """Record one event the client has received."""
+        if not event.startswith(_PREFIX) or event == DONE:
+            return
+        try:
+            chunk = _decoder.decode(event[len(_PREFIX) :])
+        except msgspec.DecodeError:
+            return
+        if not self.id:
+            self.id, self.created = chunk.id, chunk.created
+        for choice in chunk.choices:
+            piece = choice.text if choice.delta is None else choice.delta.content
+            if choice.delta is not None and choice.delta.role is not None and not piece:
+                continue  # chat's opening role chunk carries no token
+            self.tokens += 1
+            if piece:
+                self.text.append(piece)
+            if choice.finish_reason is not None:
+                self.finished = True
+
+
+def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
+    """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do."""
+    so_far = "".join(state.text)
+    body = {k: v for k, v in parsed.body.items() if k != "kv_transfer_params"}
+    if parsed.max_tokens is not None:
+        left = parsed.max_tokens - state.tokens
+        if left <= 0:
+            return None
+        body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = left
+    if parsed.kind == "completions":
+        body["prompt"] = body["prompt"] + so_far
+        return body
+    messages = list(body["messages"])
+    if body.get("continue_final_message") and messages:
+        last = dict(messages[-1])
+        last["content"] = (last.get("content") or "") + so_far
+        messages[-1] = last
+    else:
+        messages.append({"role": "assistant", "content": so_far})
+    body["messages"] = messages
+    body["add_generation_prompt"] = False
+    body["continue_final_message"] = True
+    return body
+
+
+class Stitcher:
+    """Rewrites a continuation worker's events into the original stream."""
+
+    def __init__(self, state: StreamState, prompt_tokens: int) -> None:
+        self._state = state
+        self._prompt_tokens = prompt_tokens
+        self._earlier_tokens = state.tokens
+
+    def rewrite(self, event: bytes) -> bytes | None:
+        """The event to send to the client (None: drop it)."""
+        if not event.startswith(_PREFIX) or event == DONE:
+            return event
+        try:
+            chunk = msgspec.json.decode(event[len(_PREFIX) :])
+        except msgspec.DecodeError:
+            return event
+        if not isinstance(chunk, dict):
+            return event
+        chunk["id"], chunk["created"] = self._state.id, self._state.created
+        choices = chunk.get("choices") or []
+        if choices and all(
+            isinstance(c.get("delta"), dict) and "role" in c["delta"] and not c["delta"].get("content")
+            for c in choices
+        ):
+            return None  # the second worker's opening role chunk: the client already had one
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and "completion_tokens" in usage:
+            completion = int(usage["completion_tokens"]) + self._earlier_tokens
+            usage.update(
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=self._prompt_tokens + completion,
+            )
+        out = _PREFIX + msgspec.json.encode(chunk) + b"\n\n"
+        self._state.observe(out)
+        return out
