@@ -47,7 +47,7 @@ from router.upstream import (
 )
 
 log = logging.getLogger("router.proxy")
-_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}  # as vLLM sends
 
 
 class _ClientGone(Exception):
