@@ -52,7 +52,8 @@ class FakeEngine:
     default_max_tokens: int = 16
     healthy: bool = True
     fail_status: int = 0  # answer every generation request with this status
-    die_after_tokens: int = -1  # close the connection after this many streamed tokens (once, then reset)
+    # Close the connection abruptly after this many streamed tokens, or before a non-streamed answer (once).
+    die_after_tokens: int = -1
     requests: list[dict[str, Any]] = field(default_factory=list)
     abandoned: int = 0  # legs whose client closed the connection before the end
     finished: int = 0
@@ -104,12 +105,21 @@ class FakeEngine:
         prompt_tokens = len(text.split())
         tokens = generate(text, n_tokens)
         if self.first_token_delay_s:
-            await asyncio.sleep(self.first_token_delay_s)
+            try:
+                await asyncio.sleep(self.first_token_delay_s)
+            except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
+                self.abandoned += 1
+                raise
         kv = body.get("kv_transfer_params")
         returned = {"remote_engine_id": "fake", "remote_block_ids": [0]} if kv and kv.get("do_remote_decode") else None
         if not body.get("stream"):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s * n_tokens)
+            if self.die_after_tokens >= 0:  # the process "dies" before answering
+                self.die_after_tokens = -1
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
             self.finished += 1
             return _unary(self.model, chat, "".join(tokens), prompt_tokens, n_tokens, returned)
         return await self._stream(request, body, chat, tokens, prompt_tokens)

@@ -50,6 +50,10 @@ log = logging.getLogger("router.proxy")
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}  # as vLLM sends
 
 
+class _PrefillFailed(UpstreamError):
+    """The P leg failed and the D leg cannot go on without it (sglang-bootstrap); D is not to blame."""
+
+
 class _ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -88,6 +92,9 @@ class Proxy:
                 resp = await self._attempts(request, parsed, path, decision.route, start, committed)
             self.metrics.e2e.labels(decision.route.value).observe(time.monotonic() - start)
             return resp
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client disconnects
+            self.metrics.client_disconnects.inc()
+            raise
         except TimeoutError:
             if not committed:
                 raise ApiError(504, "the request timed out") from None
@@ -168,7 +175,9 @@ class Proxy:
             )
         if last.status == 429:
             raise overloaded("upstream workers are overloaded", self.cfg.server.retry_after_s)
-        raise ApiError(502, f"upstream failed after {self.cfg.retry.max_attempts} attempts: {last}")
+        log.error("giving up after %d attempts: %s", self.cfg.retry.max_attempts, last)
+        what = "timed out" if last.kind == "timeout" else f"failed ({last.kind})"
+        raise ApiError(502, f"upstream workers {what} after {self.cfg.retry.max_attempts} attempts")
 
     # ---- legs ---------------------------------------------------------------------------------------------
 
@@ -177,6 +186,14 @@ class Proxy:
         if e.worker_fault:
             worker.circuit.record_failure()
             failed.add(worker)
+
+    def _blame(self, e: UpstreamError, decode: Worker, prefill: Worker | None, failed: set[Worker]) -> None:
+        """Record a failed attempt against the worker that caused it (its P leg was already counted)."""
+        if isinstance(e, _PrefillFailed):
+            if prefill is not None:
+                failed.add(prefill)
+        else:
+            self._fail(decode, e, failed)
 
     def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         t = self.cfg.timeouts
@@ -233,8 +250,8 @@ class Proxy:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task.done() and p_task.exception() is not None and not d_task.done():
                 d_task.cancel()
-                raise UpstreamError(
-                    "protocol", "prefill leg failed; SGLang decode cannot continue without it"
+                raise _PrefillFailed(
+                    "prefill", "prefill leg failed; SGLang decode cannot continue without it"
                 )
             return await d_task
         finally:
@@ -252,7 +269,7 @@ class Proxy:
                         p_task, post_json(self.session, decode, path, body, self._timeout())
                     )
                 except UpstreamError as e:
-                    self._fail(decode, e, failed)
+                    self._blame(e, decode, prefill, failed)
                     raise
             decode.circuit.record_success()
             return web.Response(body=data, content_type="application/json")
@@ -280,7 +297,7 @@ class Proxy:
                 try:
                     resp, first = await self._guarded(p_task, self._first_event(decode, path, body))
                 except UpstreamError as e:
-                    self._fail(decode, e, failed)
+                    self._blame(e, decode, prefill, failed)
                     raise
                 try:
                     client = web.StreamResponse(headers=_SSE_HEADERS)
@@ -308,15 +325,18 @@ class Proxy:
     async def _first_event(
         self, worker: Worker, path: str, body: bytes
     ) -> tuple[aiohttp.ClientResponse, bytes]:
-        resp = await open_stream(self.session, worker, path, body, self._timeout())
+        resp: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
+                resp = await open_stream(self.session, worker, path, body, self._timeout())
                 first = await read_event(resp, worker)
         except TimeoutError:
-            resp.close()
+            if resp is not None:
+                resp.close()
             raise UpstreamError("timeout", f"no first token from {worker.url}") from None
         except BaseException:
-            resp.close()
+            if resp is not None:
+                resp.close()
             raise
         if not first.endswith(b"\n\n"):
             resp.close()
