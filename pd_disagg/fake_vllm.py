@@ -71,8 +71,20 @@ class FakeEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         now = int(time.time())
-        data = {"object": "list", "data": [{"id": self.model, "object": "model", "created": now,
-                "owned_by": "vllm", "root": self.model, "parent": None, "max_model_len": self.max_model_len}]}
+        data = {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "vllm",
+                    "root": self.model,
+                    "parent": None,
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
         return web.json_response(data, dumps=lambda o: msgspec.json.encode(o).decode())
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -111,7 +123,11 @@ class FakeEngine:
                 self.abandoned += 1
                 raise
         kv = body.get("kv_transfer_params")
-        returned = {"remote_engine_id": "fake", "remote_block_ids": [0]} if kv and kv.get("do_remote_decode") else None
+        returned = (
+            {"remote_engine_id": "fake", "remote_block_ids": [0]}
+            if kv and kv.get("do_remote_decode")
+            else None
+        )
         if not body.get("stream"):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s * n_tokens)
@@ -131,12 +147,27 @@ class FakeEngine:
         await resp.prepare(request)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids):016x}"
         created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": self.model}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.model,
+        }
         try:
             if chat:
-                first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}], "prompt_token_ids": None, "prompt_text": None}
+                first = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "prompt_token_ids": None,
+                    "prompt_text": None,
+                }
                 await resp.write(_event(first))
             for i, tok in enumerate(tokens):
                 if i == self.die_after_tokens:
@@ -149,9 +180,14 @@ class FakeEngine:
                 await resp.write(_event(_chunk(head, chat, tok, last=i == len(tokens) - 1)))
             opts = body.get("stream_options") or {}
             if opts.get("include_usage"):
-                usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(tokens),
-                         "completion_tokens": len(tokens)}
-                await resp.write(_event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT}))
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + len(tokens),
+                    "completion_tokens": len(tokens),
+                }
+                await resp.write(
+                    _event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
+                )
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
         except (asyncio.CancelledError, ConnectionError):
@@ -166,14 +202,25 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 def _chunk(head: dict[str, Any], chat: bool, tok: str, last: bool) -> dict[str, Any]:
     if chat:
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": tok}, "logprobs": None,
-                                  "finish_reason": "length" if last else None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": tok},
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+        }
         if last:
             choice["stop_reason"] = None
         choice["token_ids"] = None
         return {**head, "choices": [choice]}
-    choice = {"index": 0, "text": tok, "logprobs": None, "finish_reason": "length" if last else None,
-              "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+    choice = {
+        "index": 0,
+        "text": tok,
+        "logprobs": None,
+        "finish_reason": "length" if last else None,
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
     out = {**head, "choices": [choice]}
     if last:
         out["system_fingerprint"] = FINGERPRINT
@@ -181,24 +228,74 @@ def _chunk(head: dict[str, Any], chat: bool, tok: str, last: bool) -> dict[str, 
 
 
 def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: Any) -> web.Response:
-    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n,
-             "prompt_tokens_details": None, "completion_tokens_details": None}
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + n,
+        "completion_tokens": n,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids):016x}"
-    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model}
+    head = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
     if chat:
-        message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                   "function_call": None, "reasoning": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                  "token_ids": None, "routed_experts": None}
-        out = {**head, "choices": [choice], "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
-               "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": kv,
-               "ec_transfer_params": None, "metrics": None}
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
+        }
+        out = {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": kv,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                  "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
-        out = {**head, "choices": [choice], "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage,
-               "kv_transfer_params": kv, "ec_transfer_params": None, "metrics": None}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+        out = {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": usage,
+            "kv_transfer_params": kv,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
     return web.Response(body=msgspec.json.encode(out), content_type="application/json")
 
 

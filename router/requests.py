@@ -58,10 +58,12 @@ class Parsed(msgspec.Struct):
 
 
 _PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
+_MISSING = re.compile(r"missing required field `(\w+)`")
 
 
 def _param(err: msgspec.ValidationError) -> str | None:
-    m = _PATH.search(str(err))
+    """The offending field: a missing one by name, else the top-level key of the error's path."""
+    m = _MISSING.search(str(err)) or _PATH.search(str(err))
     return m.group(1) if m else None
 
 

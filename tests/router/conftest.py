@@ -77,7 +77,10 @@ async def make_cluster(tokenizer_dir: Path) -> AsyncIterator[MakeCluster]:
     clusters: list[Cluster] = []
 
     async def make(n_prefill: int = 1, n_decode: int = 2, flow: str = "pd-push", **overrides: Any) -> Cluster:
-        cluster = Cluster([FakeEngine(model=MODEL) for _ in range(n_prefill)], [FakeEngine(model=MODEL) for _ in range(n_decode)])
+        cluster = Cluster(
+            [FakeEngine(model=MODEL) for _ in range(n_prefill)],
+            [FakeEngine(model=MODEL) for _ in range(n_decode)],
+        )
         clusters.append(cluster)
         for engine in (*cluster.prefill, *cluster.decode):
             server = TestServer(engine.app())

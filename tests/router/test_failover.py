@@ -9,7 +9,7 @@ import pytest
 
 from pd_disagg.fake_vllm import generate
 from tests.router.conftest import MODEL, long_prompt, short_prompt
-from tests.router.sse import events, payloads, text_of
+from tests.router.sse import payloads, text_of
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,9 @@ async def test_decode_error_before_first_byte_is_retried_elsewhere(make_cluster)
     c = await make_cluster(n_decode=2, circuit__failure_threshold=2)
     c.decode[0].fail_status = 503
     for _ in range(6):
-        r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True})
+        r = await c.router.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True}
+        )
         assert r.status == 200 and text_of(await r.read()) == " w2 w3"
     # D0 failed twice, then its circuit opened and it got nothing more
     assert len(c.decode[0].requests) == 2
@@ -74,7 +76,9 @@ async def test_stream_ends_with_error_event_when_no_decode_can_resume(make_clust
     c = await make_cluster(n_decode=1)
     c.decode[0].die_after_tokens = 2
     c.decode[0].fail_status = 0
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 5, "stream": True})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 5, "stream": True}
+    )
     raw = await r.read()
     items = payloads(raw)
     assert items[-1] == "[DONE]" and "error" in items[-2]
@@ -85,11 +89,15 @@ async def test_prefill_failure_lets_decode_recompute_in_pd_push(make_cluster) ->
     c = await make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].fail_status = 500
     c.decode[0].first_token_delay_s = 0.1  # as a real D waits for the KV (then recomputes)
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 3})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 3}
+    )
     assert r.status == 200 and (await r.json())["choices"][0]["text"] == " w64 w65 w66"
     c.prefill[0].fail_status = 0
     c.prefill[0].die_after_tokens = 0  # P's process dies while the request is in flight
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 3, "stream": True})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 3, "stream": True}
+    )
     assert r.status == 200 and text_of(await r.read()) == " w64 w65 w66"
     await asyncio.sleep(0.05)
     assert _metric(await _metrics(c), "pd_router_prefill_failures_total") == 2
@@ -99,13 +107,17 @@ async def test_vllm_standard_prefill_failover_then_local(make_cluster) -> None:
     c = await make_cluster(n_prefill=2, n_decode=1, flow="vllm-standard")
     c.prefill[0].fail_status = 500
     c.state.balancer.prefill.workers[1].outstanding_tokens = 1  # P0 is picked first
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
+    )
     assert r.status == 200
     assert len(c.prefill[0].requests) == 1 and len(c.prefill[1].requests) == 1
     assert c.decode[0].requests[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"
     c.prefill[1].fail_status = 500
     c.state.balancer.prefill.workers[1].outstanding_tokens = 0
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
+    )
     assert r.status == 200
     assert "kv_transfer_params" not in c.decode[0].requests[-1]  # no P left: D prefilled locally
 
@@ -115,7 +127,9 @@ async def test_sglang_prefill_failure_aborts_decode_leg_and_retries(make_cluster
     c.prefill[0].fail_status = 500
     c.decode[0].first_token_delay_s = 0.3
     c.state.balancer.prefill.workers[1].outstanding_tokens = 1
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2, "stream": True})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2, "stream": True}
+    )
     assert r.status == 200 and text_of(await r.read()) == " w64 w65"
     rooms = [d["bootstrap_room"] for d in c.decode[0].requests]
     assert len(rooms) == 2 and rooms[0] != rooms[1]
@@ -128,15 +142,18 @@ async def test_client_disconnect_aborts_both_legs(make_cluster) -> None:
     c.decode[0].token_delay_s = 0.05
     c.prefill[0].first_token_delay_s = 5.0  # P still busy when the client leaves
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 100, "stream": True}
-    async with aiohttp.ClientSession() as s:
-        async with s.post(str(c.router.make_url("/v1/completions")), json=body) as r:
-            await r.content.readuntil(b"\n\n")
-            await r.content.readuntil(b"\n\n")
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(str(c.router.make_url("/v1/completions")), json=body) as r,
+    ):
+        await r.content.readuntil(b"\n\n")
+        await r.content.readuntil(b"\n\n")
     for _ in range(100):
-        if c.decode[0].abandoned and c.prefill[0].abandoned + c.prefill[0].finished == 0 and _idle(c):
+        if c.decode[0].abandoned and c.prefill[0].abandoned and _idle(c):
             break
         await asyncio.sleep(0.02)
     assert c.decode[0].abandoned == 1 and c.decode[0].finished == 0
+    assert c.prefill[0].abandoned == 1 and c.prefill[0].finished == 0
     assert _idle(c)  # both leases released: the P leg was cancelled too
     assert _metric(await _metrics(c), "pd_router_client_disconnects_total") == 1
 
@@ -148,7 +165,9 @@ def _idle(c) -> bool:
 async def test_overload_gives_429_with_retry_after(make_cluster) -> None:
     c = await make_cluster(n_decode=1, server__max_pending=1, server__retry_after_s=3)
     c.decode[0].first_token_delay_s = 0.5
-    slow = asyncio.ensure_future(c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1}))
+    slow = asyncio.ensure_future(
+        c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    )
     await asyncio.sleep(0.1)
     r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
     assert r.status == 429 and r.headers["Retry-After"] == "3"
@@ -161,10 +180,14 @@ async def test_saturated_decode_queues_then_429(make_cluster) -> None:
     c.decode[0].first_token_delay_s = 0.2
     body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
     # two requests, one slot: the second waits for the first and succeeds
-    a, b = await asyncio.gather(c.router.post("/v1/completions", json=body), c.router.post("/v1/completions", json=body))
+    a, b = await asyncio.gather(
+        c.router.post("/v1/completions", json=body), c.router.post("/v1/completions", json=body)
+    )
     assert (a.status, b.status) == (200, 200)
     c.decode[0].first_token_delay_s = 1.0
-    a, b = await asyncio.gather(c.router.post("/v1/completions", json=body), c.router.post("/v1/completions", json=body))
+    a, b = await asyncio.gather(
+        c.router.post("/v1/completions", json=body), c.router.post("/v1/completions", json=body)
+    )
     assert sorted([a.status, b.status]) == [200, 429]
 
 
@@ -172,7 +195,9 @@ async def test_first_byte_timeout_retries_then_502(make_cluster) -> None:
     c = await make_cluster(n_decode=2, timeouts__first_byte_s=0.2, retry__max_attempts=2)
     for d in c.decode:
         d.first_token_delay_s = 1.0
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "stream": True})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1, "stream": True}
+    )
     assert r.status == 502 and "timed out" in (await r.json())["error"]["message"]
 
 
@@ -184,11 +209,18 @@ async def test_request_timeout_is_504(make_cluster) -> None:
 
 
 async def test_health_check_takes_a_dead_decode_out_of_rotation(make_cluster) -> None:
-    c = await make_cluster(n_decode=2, health__unhealthy_after=1)
+    # checks only when the test runs them (a background round on a loaded machine could race it)
+    c = await make_cluster(
+        n_decode=2, health__unhealthy_after=1, health__interval_s=600.0, health__timeout_s=5.0
+    )
     c.decode[0].healthy = False
     await c.state.checker.run_once()
     for _ in range(5):
-        assert (await c.router.post("/v1/completions", json={"model": MODEL, "prompt": short_prompt(), "max_tokens": 1})).status == 200
+        assert (
+            await c.router.post(
+                "/v1/completions", json={"model": MODEL, "prompt": short_prompt(), "max_tokens": 1}
+            )
+        ).status == 200
     assert c.decode[0].requests == []
     c.decode[0].healthy = True
     await c.state.checker.run_once()

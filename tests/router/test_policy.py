@@ -10,7 +10,9 @@ from router.config import PolicyConfig
 from router.policy import PolicyInput, PoolLoad, Route, ThresholdPolicy
 
 pytestmark = pytest.mark.unit
-CFG = PolicyConfig(threshold_tokens=100, prefill_saturated_tokens=1000, decode_max_active=10, decode_headroom_fraction=0.5)
+CFG = PolicyConfig(
+    threshold_tokens=100, prefill_saturated_tokens=1000, decode_max_active=10, decode_headroom_fraction=0.5
+)
 P_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 D_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 

@@ -23,7 +23,11 @@ async def test_response_bytes_equal_calling_decode_directly(make_cluster, path: 
     body = {"model": MODEL, "max_tokens": 5, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    body.update({"prompt": short_prompt()} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]})
+    body.update(
+        {"prompt": short_prompt()}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     r = await c.router.post(path, json=body)
     assert r.status == 200
     via_router = await r.read()
@@ -47,8 +51,13 @@ async def test_short_prompt_goes_to_decode_only_unchanged(make_cluster) -> None:
 
 async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_cluster) -> None:
     c = await make_cluster(n_decode=1)
-    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": long_prompt(),
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = await c.router.post("/v1/completions", json=body)
     raw = await r.read()
     assert r.status == 200 and text_of(raw) == " w64 w65 w66 w67"
@@ -69,7 +78,9 @@ async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_clu
 async def test_chat_max_completion_tokens_is_one_on_prefill(make_cluster) -> None:
     c = await make_cluster(n_decode=1)
     msgs = [{"role": "user", "content": long_prompt()}]
-    r = await c.router.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_completion_tokens": 3})
+    r = await c.router.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_completion_tokens": 3}
+    )
     assert r.status == 200
     (p,) = c.prefill[0].requests
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
@@ -77,7 +88,9 @@ async def test_chat_max_completion_tokens_is_one_on_prefill(make_cluster) -> Non
 
 async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
     c = await make_cluster(n_decode=1, flow="vllm-standard")
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
+    )
     assert r.status == 200
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
     assert p["kv_transfer_params"]["do_remote_decode"] is True and p["max_tokens"] == 1
@@ -86,7 +99,9 @@ async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
 
 async def test_sglang_bootstrap_fields_on_both_legs(make_cluster) -> None:
     c = await make_cluster(n_decode=1, flow="sglang-bootstrap")
-    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2})
+    r = await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
+    )
     assert r.status == 200
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
     keys = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -107,10 +122,17 @@ async def test_models_health_ready_metrics(make_cluster) -> None:
     assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 4096
     assert (await c.router.get("/health")).status == 200
     assert (await c.router.get("/ready")).status == 200
-    await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True})
+    await c.router.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True}
+    )
     text = await (await c.router.get("/metrics")).text()
-    for name in ("pd_router_ttft_seconds_bucket", "pd_router_itl_seconds_bucket", "pd_router_worker_in_flight",
-                 "pd_router_worker_errors", "pd_router_worker_healthy"):
+    for name in (
+        "pd_router_ttft_seconds_bucket",
+        "pd_router_itl_seconds_bucket",
+        "pd_router_worker_in_flight",
+        "pd_router_worker_errors",
+        "pd_router_worker_healthy",
+    ):
         assert name in text
     await c.kill(c.decode[0])
     await c.state.checker.run_once()
@@ -134,7 +156,9 @@ async def test_admin_add_drain_remove(make_cluster) -> None:
     assert (await r.json())["draining"] is False
     r = await c.router.post("/admin/workers", json={"role": "decode", "worker": {"url": d1}})
     assert r.status == 201 and (await r.json())["healthy"] is True
-    assert (await c.router.post("/admin/workers", json={"role": "decode", "worker": {"url": d1}})).status == 409
+    assert (
+        await c.router.post("/admin/workers", json={"role": "decode", "worker": {"url": d1}})
+    ).status == 409
     bad = await c.router.post("/admin/workers", json={"role": "prefill", "worker": {"url": "http://x:1"}})
     assert bad.status == 400 and "bootstrap" in (await bad.json())["error"]["message"]
     assert (await c.router.post("/admin/workers", json={"role": "both", "worker": {"url": d1}})).status == 400

@@ -16,13 +16,27 @@ def ev(obj) -> bytes:
 
 
 def comp_chunk(text, finish=None, rid="cmpl-1", created=10):
-    return ev({"id": rid, "object": "text_completion", "created": created, "model": "m",
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]})
+    return ev(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+    )
 
 
 def chat_chunk(delta, rid="chatcmpl-1", created=10):
-    return ev({"id": rid, "object": "chat.completion.chunk", "created": created, "model": "m",
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]})
+    return ev(
+        {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
+    )
 
 
 def parsed(kind, body, max_tokens=8):
@@ -47,8 +61,18 @@ def test_completion_continuation_appends_text_and_reduces_max_tokens() -> None:
     s = StreamState()
     s.observe(comp_chunk(" w2"))
     s.observe(comp_chunk(" w3"))
-    body = continuation(parsed("completions", {"model": "m", "prompt": "hello world", "max_tokens": 8,
-                                               "kv_transfer_params": {"pd_transfer_id": "t"}}), s)
+    body = continuation(
+        parsed(
+            "completions",
+            {
+                "model": "m",
+                "prompt": "hello world",
+                "max_tokens": 8,
+                "kv_transfer_params": {"pd_transfer_id": "t"},
+            },
+        ),
+        s,
+    )
     assert body == {"model": "m", "prompt": "hello world w2 w3", "max_tokens": 6}
 
 
@@ -58,12 +82,14 @@ def test_chat_continuation_continues_the_assistant_message() -> None:
     s.observe(chat_chunk({"content": "Hel"}))
     msgs = [{"role": "user", "content": "hi"}]
     body = continuation(parsed("chat", {"model": "m", "messages": msgs, "max_completion_tokens": 8}), s)
+    assert body is not None
     assert body["messages"] == [*msgs, {"role": "assistant", "content": "Hel"}]
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_completion_tokens"] == 7
     # a client that was already continuing its own assistant message: extend that one
     own = [*msgs, {"role": "assistant", "content": "Sure:"}]
     body = continuation(parsed("chat", {"model": "m", "messages": own, "continue_final_message": True}), s)
+    assert body is not None
     assert body["messages"][-1] == {"role": "assistant", "content": "Sure:Hel"}
 
 
@@ -80,11 +106,22 @@ def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
     st = Stitcher(s, prompt_tokens=5)
     assert st.rewrite(chat_chunk({"role": "assistant", "content": ""}, rid="chatcmpl-B", created=2)) is None
     out = st.rewrite(chat_chunk({"content": "y"}, rid="chatcmpl-B", created=2))
+    assert out is not None
     assert msgspec.json.decode(out[6:])["id"] == "chatcmpl-A"
     assert msgspec.json.decode(out[6:])["created"] == 1
-    usage = ev({"id": "chatcmpl-B", "object": "chat.completion.chunk", "created": 2, "model": "m", "choices": [],
-                "usage": {"prompt_tokens": 9, "total_tokens": 12, "completion_tokens": 3}})
-    fixed = msgspec.json.decode(st.rewrite(usage)[6:])["usage"]
+    usage = ev(
+        {
+            "id": "chatcmpl-B",
+            "object": "chat.completion.chunk",
+            "created": 2,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "total_tokens": 12, "completion_tokens": 3},
+        }
+    )
+    rewritten = st.rewrite(usage)
+    assert rewritten is not None
+    fixed = msgspec.json.decode(rewritten[6:])["usage"]
     assert fixed == {"prompt_tokens": 5, "total_tokens": 5 + 4, "completion_tokens": 4}
     assert list(fixed) == ["prompt_tokens", "total_tokens", "completion_tokens"]  # vLLM's key order
     assert st.rewrite(DONE) == DONE
