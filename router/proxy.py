@@ -42,6 +42,7 @@ from router.upstream import (
     post_json,
     prefill_body,
     read_event,
+    read_some,
     returned_params,
     transfer_id,
 )
@@ -348,35 +349,47 @@ class Proxy:
         client: web.StreamResponse,
         resp: aiohttp.ClientResponse,
         worker: Worker,
-        event: bytes,
+        first: bytes,
         state: StreamState | None,
         stitcher: Stitcher | None,
         route: str,
     ) -> UpstreamError | None:
-        """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any."""
+        """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
+
+        All complete events already received go out in one write (one syscall instead of one per token when
+        the upstream is ahead of the client), byte for byte; a partial event waits for its end.
+        """
         itl = self.metrics.itl.labels(route)
         last = time.monotonic()
         idle = self.cfg.timeouts.idle_s
+        loop = asyncio.get_running_loop()
+        batch, rest = first, b""
         try:
             async with asyncio.timeout(idle) as guard:
                 while True:
-                    out: bytes | None = event if stitcher is None else stitcher.rewrite(event)
-                    if out is not None:
+                    out = batch if stitcher is None else stitcher.rewrite_batch(batch)
+                    if out:
                         try:
                             await client.write(out)
                         except (ConnectionError, aiohttp.ClientConnectionResetError):
                             raise _ClientGone from None
                         if state is not None and stitcher is None:
-                            state.observe(out)
+                            state.observe_batch(out)
                         now = time.monotonic()
                         itl.observe(now - last)
                         last = now
-                    if event == DONE:
+                    if batch.endswith(DONE):
                         return None
-                    guard.reschedule(asyncio.get_running_loop().time() + idle)
-                    event = await read_event(resp, worker)
-                    if not event.endswith(b"\n\n"):
-                        return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
+                    guard.reschedule(loop.time() + idle)
+                    while True:
+                        data = await read_some(resp, worker)
+                        if not data:
+                            return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
+                        rest += data
+                        cut = rest.rfind(b"\n\n")
+                        if cut >= 0:
+                            batch, rest = rest[: cut + 2], rest[cut + 2 :]
+                            break
         except TimeoutError:
             return UpstreamError("timeout", f"{worker.url} sent nothing for {idle}s")
         except UpstreamError as e:

@@ -22,7 +22,9 @@ import msgspec
 from router.requests import Parsed
 
 DONE = b"data: [DONE]\n\n"
+_DONE_LINE = b"data: [DONE]"
 _PREFIX = b"data: "
+_SEP = b"\n\n"
 
 
 class _Delta(msgspec.Struct):
@@ -55,9 +57,15 @@ class StreamState:
         self.tokens = 0
         self.finished = False  # a finish_reason was sent: only usage / [DONE] can follow
 
+    def observe_batch(self, batch: bytes) -> None:
+        """Record the events (``data: ...\\n\\n`` each) of one write to the client."""
+        for event in batch.split(_SEP):
+            if event:
+                self.observe(event)
+
     def observe(self, event: bytes) -> None:
-        """Record one event the client has received."""
-        if not event.startswith(_PREFIX) or event == DONE:
+        """Record one event the client has received (with or without its trailing blank line)."""
+        if not event.startswith(_PREFIX) or event.rstrip() == _DONE_LINE:
             return
         try:
             chunk = _decoder.decode(event[len(_PREFIX) :])
@@ -108,6 +116,11 @@ class Stitcher:
         self._state = state
         self._prompt_tokens = prompt_tokens
         self._earlier_tokens = state.tokens
+
+    def rewrite_batch(self, batch: bytes) -> bytes:
+        """``rewrite`` applied to each event of a batch (dropped events vanish)."""
+        out = [self.rewrite(event + _SEP) for event in batch.split(_SEP) if event]
+        return b"".join(e for e in out if e is not None)
 
     def rewrite(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it)."""

@@ -22,8 +22,9 @@ from tokenizers import Tokenizer
 
 from router.errors import bad_request
 
-# Above this many characters tokenization moves to a thread so it does not stall other requests' streams.
-_INLINE_CHARS = 16384
+# Above this many characters (~1 ms of tokenizing) the work moves to a thread, where tokenizers releases the
+# GIL, so a long prompt does not stall the other requests' streams.
+_INLINE_CHARS = 2048
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -65,7 +66,8 @@ class PromptTokenizer:
         }
 
     def count(self, text: str, add_special_tokens: bool = True) -> int:
-        return len(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch_fast skips offset tracking: ~3x less work than encode() for the same ids.
+        return len(self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     async def count_async(self, text: str, add_special_tokens: bool = True) -> int:
         if len(text) <= _INLINE_CHARS:

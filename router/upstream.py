@@ -108,6 +108,14 @@ async def read_event(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
         raise _wrap(e, worker) from None
 
 
+async def read_some(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+    """Whatever bytes of the stream have arrived (waits for at least one), or b"" at its end."""
+    try:
+        return await resp.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise _wrap(e, worker) from None
+
+
 # ---- request bodies per flow -------------------------------------------------------------------------------
 
 
