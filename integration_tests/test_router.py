@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pd_disagg.engines import base_url, router_server, vllm_server
 from pd_disagg.servers import ManagedServer, free_port
@@ -155,15 +156,17 @@ async def test_openai_client_through_router(router: str, decode_servers, tiny_mo
                 model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
             )
             assert "".join([c.choices[0].text async for c in stream if c.choices]) == b.choices[0].text
-        messages = [{"role": "user", "content": "Write a function."}]
-        a = await via.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
-        b = await direct.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
-        assert a.choices[0].message.content == b.choices[0].message.content
-        stream = await via.chat.completions.create(
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a function."}]
+        ca = await via.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+        cb = await direct.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0
+        )
+        assert ca.choices[0].message.content == cb.choices[0].message.content
+        chat_stream = await via.chat.completions.create(
             model=model, messages=messages, max_tokens=12, temperature=0, stream=True
         )
-        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        assert text == b.choices[0].message.content
+        text = "".join([c.choices[0].delta.content or "" async for c in chat_stream if c.choices])
+        assert text == cb.choices[0].message.content
         with pytest.raises(openai.BadRequestError):
             await via.completions.create(model=model, prompt="x " * 2000, max_tokens=4)
     finally:
