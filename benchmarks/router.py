@@ -1,11 +1,13 @@
 """Router overhead: pd-router versus sglang-router versus calling the upstream directly, side by side.
 
-    python -m benchmarks.router [--tokenizer DIR] [--reps 3] [--requests-per-conn 40]
+    python -m benchmarks.router [--tokenizer DIR] [--reps 3] [--scale 1] [--token-delay-ms 5]
 
 Processes: a fake vLLM upstream (``pd_disagg.fake_vllm``, exact vLLM framing, no model) and this load
 generator share core 1; ``pd-router`` and ``sglang-router`` (0.3.2, from PyPI) are pinned to core 0 with
 taskset, one core each in turn (both idle while the other is measured). Every request is a streamed 64-token
-completion; latency is send-to-last-byte. Added latency = router percentile - direct percentile, measured in
+completion; latency is send-to-last-byte. The upstream paces tokens like an engine (``--token-delay-ms``,
+default 5 ms = 200 tokens/s per stream, faster than real decoding); 0 turns the test into a relay-throughput
+stress where every router pays per-event syscalls back to back. Added latency = router percentile - direct percentile, measured in
 the same round; rounds rotate direct/ours/sglang and the median over ``--reps`` rounds is reported. Max
 requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
 completions (the router's per-request cost, not the upstream's streaming cost). The load generator speaks
@@ -32,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
 CONCURRENCY = (1, 16, 64)
 TOKENS = 64
+# Streamed requests per concurrency level and target, per round.
+REQUESTS = {1: 30, 16: 80, 64: 320}
 
 
 def log(msg: str) -> None:
@@ -100,7 +104,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _servers(tokenizer: Path, tmp: Path) -> dict[str, ManagedServer]:
+def _servers(tokenizer: Path, tmp: Path, delay_ms: float) -> dict[str, ManagedServer]:
     logs = ROOT / "logs" / "bench"
     up, ours, sgl = free_port(), free_port(), free_port()
     upstream = f"http://127.0.0.1:{up}"
@@ -113,7 +117,20 @@ def _servers(tokenizer: Path, tmp: Path) -> dict[str, ManagedServer]:
     return {
         "upstream": ManagedServer(
             "fake-upstream",
-            ["taskset", "-c", "1", py, "-m", "pd_disagg.fake_vllm", "--port", str(up), "--model", MODEL],
+            [
+                "taskset",
+                "-c",
+                "1",
+                py,
+                "-m",
+                "pd_disagg.fake_vllm",
+                "--port",
+                str(up),
+                "--model",
+                MODEL,
+                "--token-delay-ms",
+                str(delay_ms),
+            ],
             logs / f"fake-upstream-{up}.log",
             f"{upstream}/health",
             cwd=ROOT,
@@ -154,7 +171,9 @@ def _port(server: ManagedServer) -> int:
     return int(server.health_url.split(":")[2].split("/")[0])
 
 
-async def measure(servers: dict[str, ManagedServer], reps: int, per_conn: int, rps_seconds: float) -> dict:
+async def measure(
+    servers: dict[str, ManagedServer], reps: int, scale: int, rps_seconds: float, delay_ms: float
+) -> dict:
     ports = {
         "direct": _port(servers["upstream"]),
         "ours": _port(servers["ours"]),
@@ -167,7 +186,7 @@ async def measure(servers: dict[str, ManagedServer], reps: int, per_conn: int, r
         for c in CONCURRENCY:
             order = list(ports)[rep % 3 :] + list(ports)[: rep % 3]
             for name in order:
-                lat = await latencies(ports[name], c, per_conn)
+                lat = await latencies(ports[name], c, max(1, REQUESTS[c] * scale // c))
                 rounds[name][c].append((pct(lat, 0.5), pct(lat, 0.99)))
             log(
                 f"rep {rep} c{c}: "
@@ -210,8 +229,9 @@ async def measure(servers: dict[str, ManagedServer], reps: int, per_conn: int, r
         "latency_ms": absolute,
         "conditions": {
             "reps": reps,
-            "requests_per_conn": per_conn,
+            "requests": {f"c{c}": REQUESTS[c] * scale for c in CONCURRENCY},
             "tokens": TOKENS,
+            "upstream_token_delay_ms": delay_ms,
             "router_core": 0,
             "client_and_upstream_core": 1,
         },
@@ -223,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     default_tok = os.environ.get("PD_TEST_MODEL", str(ROOT / ".cache" / "models" / "tiny-llama"))
     parser.add_argument("--tokenizer", type=Path, default=Path(default_tok), help="dir with tokenizer.json")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--requests-per-conn", type=int, default=40)
+    parser.add_argument("--scale", type=int, default=1, help="multiply the number of requests per level")
+    parser.add_argument(
+        "--token-delay-ms",
+        type=float,
+        default=5.0,
+        help="upstream pause between tokens (5 ms = 200 tokens/s per stream, faster than real decoding)",
+    )
     parser.add_argument("--rps-seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").exists():
@@ -236,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         pass
     os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:
-        servers = _servers(args.tokenizer, Path(tmp))
+        servers = _servers(args.tokenizer, Path(tmp), args.token_delay_ms)
         try:
             for s in servers.values():
                 s.start()
             for s in servers.values():
                 s.wait_healthy(120)
             log("upstream, pd-router and sglang-router are up")
-            result = asyncio.run(measure(servers, args.reps, args.requests_per_conn, args.rps_seconds))
+            result = asyncio.run(
+                measure(servers, args.reps, args.scale, args.rps_seconds, args.token_delay_ms)
+            )
         finally:
             for s in servers.values():
                 s.stop()
