@@ -48,6 +48,8 @@ from router.upstream import (
 )
 
 log = logging.getLogger("router.proxy")
+# Tells the client which path its request took (local: D only; disagg: P->D), for debugging and the demo.
+ROUTE_HEADER = "X-PD-Route"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}  # as vLLM sends
 
 
@@ -273,7 +275,8 @@ class Proxy:
                     self._blame(e, decode, prefill, failed)
                     raise
             decode.circuit.record_success()
-            return web.Response(body=data, content_type="application/json")
+            route = "local" if body is parsed.raw else "disagg"
+            return web.Response(body=data, content_type="application/json", headers={ROUTE_HEADER: route})
         finally:
             _cancel(p_task)
 
@@ -290,7 +293,7 @@ class Proxy:
     ) -> web.StreamResponse:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
         body, p_task = await self._decode_request(parsed, path, prefill, failed)
-        route = "disagg" if prefill is not None else "local"
+        route = "local" if body is parsed.raw else "disagg"
         client: web.StreamResponse | None = None
         state = StreamState() if parsed.resumable else None
         try:
@@ -301,7 +304,7 @@ class Proxy:
                     self._blame(e, decode, prefill, failed)
                     raise
                 try:
-                    client = web.StreamResponse(headers=_SSE_HEADERS)
+                    client = web.StreamResponse(headers={**_SSE_HEADERS, ROUTE_HEADER: route})
                     try:
                         await client.prepare(request)
                     except (ConnectionError, aiohttp.ClientConnectionResetError):

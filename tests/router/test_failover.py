@@ -120,6 +120,7 @@ async def test_vllm_standard_prefill_failover_then_local(make_cluster) -> None:
     )
     assert r.status == 200
     assert "kv_transfer_params" not in c.decode[0].requests[-1]  # no P left: D prefilled locally
+    assert r.headers["X-PD-Route"] == "local"
 
 
 async def test_sglang_prefill_failure_aborts_decode_leg_and_retries(make_cluster) -> None:

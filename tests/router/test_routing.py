@@ -46,6 +46,7 @@ async def test_short_prompt_goes_to_decode_only_unchanged(make_cluster) -> None:
     assert r.status == 200
     assert c.prefill[0].requests == []
     assert c.decode[0].requests == [body]
+    assert r.headers["X-PD-Route"] == "local"
     assert 'route="local"' in await (await c.router.get("/metrics")).text()
 
 
@@ -61,6 +62,7 @@ async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_clu
     r = await c.router.post("/v1/completions", json=body)
     raw = await r.read()
     assert r.status == 200 and text_of(raw) == " w64 w65 w66 w67"
+    assert r.headers["X-PD-Route"] == "disagg"
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
     assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
     assert p["kv_transfer_params"]["pd_role"] == "prefill"
