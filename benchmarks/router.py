@@ -5,9 +5,9 @@
 Processes: a fake vLLM upstream (``pd_disagg.fake_vllm``, exact vLLM framing, no model) and this load
 generator share core 1; ``pd-router`` and ``sglang-router`` (0.3.2, from PyPI) are pinned to core 0 with
 taskset, one core each in turn (both idle while the other is measured). Every request is a streamed 64-token
-completion; latency is send-to-last-byte. The upstream paces tokens like an engine (``--token-delay-ms``,
-default 5 ms = 200 tokens/s per stream, faster than real decoding); 0 turns the test into a relay-throughput
-stress where every router pays per-event syscalls back to back. Added latency = router percentile - direct percentile, measured in
+completion; latency is send-to-last-byte. By default the upstream sends its 64 events as fast as it can, so
+a router pays its per-event cost (a receive and a send per event) back to back: the worst case for a relay.
+``--token-delay-ms`` paces tokens like an engine instead (on a loaded machine, timer jitter then dominates). Added latency = router percentile - direct percentile, measured in
 the same round; rounds rotate direct/ours/sglang and the median over ``--reps`` rounds is reported. Max
 requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
 completions (the router's per-request cost, not the upstream's streaming cost). The load generator speaks
@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--token-delay-ms",
         type=float,
-        default=5.0,
-        help="upstream pause between tokens (5 ms = 200 tokens/s per stream, faster than real decoding)",
+        default=0.0,
+        help="upstream pause between tokens (0: as fast as it can send; 5 = 200 tokens/s per stream)",
     )
     parser.add_argument("--rps-seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
