@@ -111,7 +111,10 @@ def _servers(tokenizer: Path, tmp: Path, delay_ms: float) -> dict[str, ManagedSe
     config = tmp / "router.toml"
     config.write_text(
         f'[model]\npath = "{MODEL}"\ntokenizer = {json.dumps(str(tokenizer))}\nmax_model_len = 4096\n'
-        f'[server]\nlog_level = "warning"\n[policy]\nthreshold_tokens = 256\n[[decode]]\nurl = "{upstream}"\n'
+        f'[server]\nlog_level = "warning"\n[policy]\nthreshold_tokens = 256\n'
+        # A saturated upstream answers health checks slowly: do not take the only worker out mid-run.
+        f"[health]\ntimeout_s = 10.0\nunhealthy_after = 10\n"
+        f'[[decode]]\nurl = "{upstream}"\n'
     )
     py = sys.executable
     return {

@@ -8,6 +8,7 @@ bodies and Authorization headers are never logged.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import random
@@ -64,9 +65,11 @@ class RouterState:
 
     async def initial_check(self, workers: list[Worker]) -> None:
         """One check per worker that sets its state directly (no streak needed at start-up or when added)."""
-        assert self.session is not None
-        for w in workers:
-            w.healthy = await check_once(self.session, w.url, self.cfg.health.timeout_s)
+        session = self.session
+        assert session is not None
+        results = await asyncio.gather(*(check_once(session, w.url, self.cfg.health.timeout_s) for w in workers))
+        for w, ok in zip(workers, results, strict=True):
+            w.healthy = ok
             if not w.healthy:
                 log.warning("%s worker %s is not healthy yet", w.role, w.url)
             self._changed(w)

@@ -72,3 +72,12 @@ def test_secrets_do_not_show(monkeypatch: pytest.MonkeyPatch) -> None:
     text = repr(cfg)
     assert "k-file-secret" not in text and "upstream-secret" not in text
     assert cfg.client_keys() == {"k-file-secret", "k-env-1", "k-env-2"}
+
+
+def test_cli_refuses_a_bad_config_with_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    bad = tmp_path / "r.toml"
+    bad.write_text('[model]\npath = "m"\n[[decode]]\nurl = "http://d:1"\n[policy]\nthreshold_tokens = -1\n')
+    assert main(["--config", str(bad)]) == 2
+    assert "policy.threshold_tokens" in capsys.readouterr().err
