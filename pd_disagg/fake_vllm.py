@@ -153,6 +153,9 @@ class FakeEngine:
             "created": created,
             "model": self.model,
         }
+        # return_token_ids: the prompt's ids are its word positions, a token's id is the number in " w<n>"
+        with_ids = bool(body.get("return_token_ids"))
+        prompt_ids = list(range(prompt_tokens)) if with_ids else None
         try:
             if chat:
                 first = {
@@ -165,7 +168,7 @@ class FakeEngine:
                             "finish_reason": None,
                         }
                     ],
-                    "prompt_token_ids": None,
+                    "prompt_token_ids": prompt_ids,
                     "prompt_text": None,
                 }
                 await resp.write(_event(first))
@@ -177,7 +180,12 @@ class FakeEngine:
                     return resp
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                await resp.write(_event(_chunk(head, chat, tok, last=i == len(tokens) - 1)))
+                ids = (
+                    ([token_id(tok)], prompt_ids if i == 0 and not chat else None)
+                    if with_ids
+                    else (None, None)
+                )
+                await resp.write(_event(_chunk(head, chat, tok, i == len(tokens) - 1, *ids)))
             opts = body.get("stream_options") or {}
             if opts.get("include_usage"):
                 usage = {
@@ -200,7 +208,18 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def _chunk(head: dict[str, Any], chat: bool, tok: str, last: bool) -> dict[str, Any]:
+def token_id(tok: str) -> int:
+    return int(tok[2:])
+
+
+def _chunk(
+    head: dict[str, Any],
+    chat: bool,
+    tok: str,
+    last: bool,
+    ids: list[int] | None,
+    prompt_ids: list[int] | None,
+) -> dict[str, Any]:
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
@@ -210,7 +229,7 @@ def _chunk(head: dict[str, Any], chat: bool, tok: str, last: bool) -> dict[str, 
         }
         if last:
             choice["stop_reason"] = None
-        choice["token_ids"] = None
+        choice["token_ids"] = ids
         return {**head, "choices": [choice]}
     choice = {
         "index": 0,
@@ -218,8 +237,8 @@ def _chunk(head: dict[str, Any], chat: bool, tok: str, last: bool) -> dict[str, 
         "logprobs": None,
         "finish_reason": "length" if last else None,
         "stop_reason": None,
-        "prompt_token_ids": None,
-        "token_ids": None,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": ids,
     }
     out = {**head, "choices": [choice]}
     if last:

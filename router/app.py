@@ -67,7 +67,9 @@ class RouterState:
         """One check per worker that sets its state directly (no streak needed at start-up or when added)."""
         session = self.session
         assert session is not None
-        results = await asyncio.gather(*(check_once(session, w.url, self.cfg.health.timeout_s) for w in workers))
+        results = await asyncio.gather(
+            *(check_once(session, w.url, self.cfg.health.timeout_s) for w in workers)
+        )
         for w, ok in zip(workers, results, strict=True):
             w.healthy = ok
             if not w.healthy:

@@ -33,7 +33,7 @@ from router.errors import ApiError, overloaded
 from router.metrics import RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, continuation
+from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
 from router.upstream import (
     UpstreamError,
     bootstrap_room,
@@ -203,11 +203,12 @@ class Proxy:
         return aiohttp.ClientTimeout(total=total, connect=t.connect_s, sock_connect=t.connect_s)
 
     async def _decode_request(
-        self, parsed: Parsed, path: str, prefill: Worker | None, failed: set[Worker]
-    ) -> tuple[bytes, asyncio.Task[bytes] | None]:
-        """The body for D and, for concurrent flows, the running P leg."""
+        self, parsed: Parsed, path: str, prefill: Worker | None, failed: set[Worker], extra: dict[str, Any]
+    ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
+        """The body for D (plus ``extra`` fields), whether it is the local path, and a concurrent P leg."""
+        local = parsed.raw if not extra else msgspec.json.encode({**parsed.body, **extra})
         if prefill is None:
-            return parsed.raw, None
+            return local, True, None
         flow = self.cfg.flow
         transfer, room = transfer_id(), bootstrap_room(self.rng)
         p_body = prefill_body(parsed.body, flow, transfer, prefill, room)
@@ -219,13 +220,13 @@ class Proxy:
                 except UpstreamError as e:
                     self._fail(candidate, e, failed)
                     continue
-                return msgspec.json.encode(
-                    decode_body(parsed.body, flow, transfer, candidate, room, params)
-                ), None
-            return parsed.raw, None  # no prefill worker succeeded: D prefills locally
+                d_body = decode_body(parsed.body, flow, transfer, candidate, room, params)
+                return msgspec.json.encode({**d_body, **extra}), False, None
+            return local, True, None  # no prefill worker succeeded: D prefills locally
         task = asyncio.create_task(self._post_prefill(prefill, path, p_body, parsed.prompt_tokens))
         task.add_done_callback(_consume)
-        return msgspec.json.encode(decode_body(parsed.body, flow, transfer, prefill, room)), task
+        d_body = decode_body(parsed.body, flow, transfer, prefill, room)
+        return msgspec.json.encode({**d_body, **extra}), False, task
 
     def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
         others = [w for w in self.balancer.prefill.usable() if w is not first and w not in failed]
@@ -264,7 +265,7 @@ class Proxy:
     async def _unary(
         self, parsed: Parsed, path: str, decode: Worker, prefill: Worker | None, failed: set[Worker]
     ) -> web.Response:
-        body, p_task = await self._decode_request(parsed, path, prefill, failed)
+        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, {})
         try:
             with self.balancer.lease(decode):
                 try:
@@ -275,7 +276,7 @@ class Proxy:
                     self._blame(e, decode, prefill, failed)
                     raise
             decode.circuit.record_success()
-            route = "local" if body is parsed.raw else "disagg"
+            route = "local" if local else "disagg"
             return web.Response(body=data, content_type="application/json", headers={ROUTE_HEADER: route})
         finally:
             _cancel(p_task)
@@ -292,8 +293,10 @@ class Proxy:
         committed: list[web.StreamResponse],
     ) -> web.StreamResponse:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
-        body, p_task = await self._decode_request(parsed, path, prefill, failed)
-        route = "local" if body is parsed.raw else "disagg"
+        strip = _wants_ids(parsed, decode)
+        extra = {"return_token_ids": True} if strip else {}
+        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
+        route = "local" if local else "disagg"
         client: web.StreamResponse | None = None
         state = StreamState() if parsed.resumable else None
         try:
@@ -311,14 +314,14 @@ class Proxy:
                         raise _ClientGone from None
                     committed.append(client)
                     self.metrics.ttft.labels(route).observe(time.monotonic() - start)
-                    err = await self._relay(client, resp, decode, first, state, None, route)
+                    err = await self._relay(client, resp, decode, first, state, None, route, strip)
                 finally:
                     resp.close()
             if err is None:
                 decode.circuit.record_success()
                 return client
             self._fail(decode, err, failed)
-            await self._resume(client, parsed, path, state, err, failed, route)
+            await self._resume(client, parsed, path, state, err, failed, route, strip)
             return client
         except _ClientGone:
             self.metrics.client_disconnects.inc()
@@ -356,6 +359,7 @@ class Proxy:
         state: StreamState | None,
         stitcher: Stitcher | None,
         route: str,
+        strip: bool,
     ) -> UpstreamError | None:
         """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
@@ -371,14 +375,17 @@ class Proxy:
         try:
             async with asyncio.timeout(idle) as guard:
                 while True:
-                    out = batch if stitcher is None else stitcher.rewrite_batch(batch)
+                    if stitcher is not None:
+                        out = stitcher.rewrite_batch(batch)
+                    else:
+                        if state is not None:
+                            state.observe_batch(batch)
+                        out = strip_token_ids(batch) if strip else batch
                     if out:
                         try:
                             await client.write(out)
                         except (ConnectionError, aiohttp.ClientConnectionResetError):
                             raise _ClientGone from None
-                        if state is not None and stitcher is None:
-                            state.observe_batch(out)
                         now = time.monotonic()
                         itl.observe(now - last)
                         last = now
@@ -411,6 +418,7 @@ class Proxy:
         err: UpstreamError,
         failed: set[Worker],
         route: str,
+        strip: bool,
     ) -> None:
         """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
         for _ in range(self.cfg.retry.max_resumes if state is not None else 0):
@@ -424,7 +432,9 @@ class Proxy:
                 break
             self.metrics.resumes.inc()
             log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
-            stitcher = Stitcher(state, parsed.prompt_tokens)
+            if strip or "return_token_ids" in parsed.body:
+                body["return_token_ids"] = True
+            stitcher = Stitcher(state, parsed.prompt_tokens, strip)
             with self.balancer.lease(decode):
                 try:
                     resp, first = await self._first_event(decode, path, msgspec.json.encode(body))
@@ -433,7 +443,7 @@ class Proxy:
                     err = e
                     continue
                 try:
-                    result = await self._relay(client, resp, decode, first, state, stitcher, route)
+                    result = await self._relay(client, resp, decode, first, state, stitcher, route, strip)
                 finally:
                     resp.close()
             if result is None:
@@ -477,6 +487,11 @@ class Proxy:
             await client.write(data)
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             raise _ClientGone from None
+
+
+def _wants_ids(parsed: Parsed, decode: Worker) -> bool:
+    """Ask a vLLM decode worker for token ids (and hide them again) so a resume is token-exact."""
+    return parsed.resumable and decode.cfg.engine == "vllm" and "return_token_ids" not in parsed.body
 
 
 def _consume(task: asyncio.Task[bytes]) -> None:

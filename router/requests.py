@@ -128,7 +128,8 @@ async def parse(
         prompt = req.prompt
         prompts = _prompts(prompt)
         lengths = [await tokenizer.count_async(p) if isinstance(p, str) else len(p) for p in prompts]
-        resumable = isinstance(prompt, str) and req.n == 1
+        # echo puts the prompt into the stream: the text so far would not be the continuation point.
+        resumable = isinstance(prompt, str) and req.n == 1 and not body.get("echo")
     else:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")

@@ -15,6 +15,7 @@ which is how vLLM streams by default (``stream_interval`` 1).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -36,12 +37,25 @@ class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _Delta | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # completions: first event
 
 
 class _Chunk(msgspec.Struct):
     id: str = ""
     created: int = 0
     choices: list[_Choice] = []
+    prompt_token_ids: list[int] | None = None  # chat: first event
+
+
+# vLLM writes these fields as null unless the request asked for them: the router asks (to count tokens
+# exactly and resume token-exactly) and puts the null back when the client did not ask.
+_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[0-9,\s]*\]')
+
+
+def strip_token_ids(batch: bytes) -> bytes:
+    """The events as vLLM would have sent them without ``return_token_ids``."""
+    return _IDS.sub(rb'"\1":null', batch)
 
 
 _decoder = msgspec.json.Decoder(_Chunk)
@@ -55,6 +69,10 @@ class StreamState:
         self.created = 0
         self.text: list[str] = []
         self.tokens = 0
+        # Token ids of the prompt and of what was delivered, when the worker sent them (vLLM with
+        # return_token_ids); then the continuation is token-exact and the count exact.
+        self.prompt_ids: list[int] | None = None
+        self.ids: list[int] | None = None
         self.finished = False  # a finish_reason was sent: only usage / [DONE] can follow
 
     def observe_batch(self, batch: bytes) -> None:
@@ -73,11 +91,20 @@ class StreamState:
             return
         if not self.id:
             self.id, self.created = chunk.id, chunk.created
+        if chunk.prompt_token_ids is not None and self.prompt_ids is None:
+            self.prompt_ids = chunk.prompt_token_ids
         for choice in chunk.choices:
+            if choice.prompt_token_ids is not None and self.prompt_ids is None:
+                self.prompt_ids = choice.prompt_token_ids
             piece = choice.text if choice.delta is None else choice.delta.content
-            if choice.delta is not None and choice.delta.role is not None and not piece:
+            if choice.token_ids is not None:
+                # vLLM may merge several tokens into one event when the client side is slower
+                self.ids = (self.ids or []) + choice.token_ids
+                self.tokens += len(choice.token_ids)
+            elif choice.delta is not None and choice.delta.role is not None and not piece:
                 continue  # chat's opening role chunk carries no token
-            self.tokens += 1
+            else:
+                self.tokens += 1
             if piece:
                 self.text.append(piece)
             if choice.finish_reason is not None:
@@ -94,7 +121,10 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
             return None
         body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = left
     if parsed.kind == "completions":
-        body["prompt"] = body["prompt"] + so_far
+        if state.prompt_ids is not None and state.ids is not None:
+            body["prompt"] = state.prompt_ids + state.ids  # token-exact: no re-tokenization at the seam
+        else:
+            body["prompt"] = body["prompt"] + so_far
         return body
     messages = list(body["messages"])
     if body.get("continue_final_message") and messages:
@@ -112,10 +142,12 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
 class Stitcher:
     """Rewrites a continuation worker's events into the original stream."""
 
-    def __init__(self, state: StreamState, prompt_tokens: int) -> None:
+    def __init__(self, state: StreamState, prompt_tokens: int, strip_ids: bool) -> None:
         self._state = state
         self._prompt_tokens = prompt_tokens
         self._earlier_tokens = state.tokens
+        self._strip_ids = strip_ids
+        self._first = True
 
     def rewrite_batch(self, batch: bytes) -> bytes:
         """``rewrite`` applied to each event of a batch (dropped events vanish)."""
@@ -134,6 +166,13 @@ class Stitcher:
             return event
         chunk["id"], chunk["created"] = self._state.id, self._state.created
         choices = chunk.get("choices") or []
+        if self._first:  # the continuation's prompt ids are not the client's prompt: never show them
+            self._first = False
+            if "prompt_token_ids" in chunk:
+                chunk["prompt_token_ids"] = None
+            for c in choices:
+                if "prompt_token_ids" in c:
+                    c["prompt_token_ids"] = None
         if choices and all(
             isinstance(c.get("delta"), dict) and "role" in c["delta"] and not c["delta"].get("content")
             for c in choices
@@ -149,4 +188,4 @@ class Stitcher:
             )
         out = _PREFIX + msgspec.json.encode(chunk) + b"\n\n"
         self._state.observe(out)
-        return out
+        return strip_token_ids(out) if self._strip_ids else out

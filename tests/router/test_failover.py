@@ -69,6 +69,10 @@ async def test_decode_dies_mid_stream_and_another_continues_it(make_cluster, pat
     # the continuation went to the other D with the text so far and the tokens left, without transfer params
     (cont,) = c.decode[1].requests
     assert "kv_transfer_params" not in cont and cont["max_tokens"] == 7
+    assert cont["return_token_ids"] is True  # asked for, and hidden from the client again
+    assert b'token_ids":[' not in raw
+    if "chat" not in path:  # completions resume token-exactly: prompt ids + the 3 delivered ids
+        assert cont["prompt"] == [*range(64), 64, 65, 66]
     assert _metric(await _metrics(c), "pd_router_decode_resumes_total") == 1
 
 

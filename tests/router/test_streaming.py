@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, continuation
+from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
 
 pytestmark = pytest.mark.unit
 
@@ -103,7 +103,7 @@ def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
     s = StreamState()
     s.observe(chat_chunk({"role": "assistant", "content": ""}, rid="chatcmpl-A", created=1))
     s.observe(chat_chunk({"content": "x"}, rid="chatcmpl-A", created=1))
-    st = Stitcher(s, prompt_tokens=5)
+    st = Stitcher(s, prompt_tokens=5, strip_ids=False)
     assert st.rewrite(chat_chunk({"role": "assistant", "content": ""}, rid="chatcmpl-B", created=2)) is None
     out = st.rewrite(chat_chunk({"content": "y"}, rid="chatcmpl-B", created=2))
     assert out is not None
@@ -126,3 +126,45 @@ def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
     assert list(fixed) == ["prompt_tokens", "total_tokens", "completion_tokens"]  # vLLM's key order
     assert st.rewrite(DONE) == DONE
     assert s.tokens == 2 and "".join(s.text) == "xy"
+
+
+def test_token_ids_count_merged_events_and_make_the_continuation_token_exact() -> None:
+    s = StreamState()
+    first = ev(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "ab",
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "prompt_token_ids": [5, 6, 7],
+                    "token_ids": [11, 12],
+                }
+            ],
+        }
+    )
+    s.observe_batch(first + comp_chunk("c"))
+    assert s.prompt_ids == [5, 6, 7] and s.ids == [11, 12]
+    assert s.tokens == 3  # two tokens merged into one event, then one event without ids
+    s2 = StreamState()
+    s2.observe(first)
+    body = continuation(parsed("completions", {"model": "m", "prompt": "xyz", "max_tokens": 8}), s2)
+    assert body is not None and body["prompt"] == [5, 6, 7, 11, 12] and body["max_tokens"] == 6
+
+
+def test_strip_token_ids_restores_vllm_nulls() -> None:
+    with_ids = (
+        b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":[1, 2],"token_ids":[3]}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":[]}],"prompt_token_ids":[9]}\n\n'
+    )
+    assert strip_token_ids(with_ids) == (
+        b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":null,"token_ids":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":null}],"prompt_token_ids":null}\n\n'
+    )
+    assert strip_token_ids(b'data: {"text":"token_ids:[1]"}') == b'data: {"text":"token_ids:[1]"}'
