@@ -7,10 +7,10 @@ request for another decode worker (completions: prompt + text so far; chat: the 
 continued with ``continue_final_message``), and ``Stitcher`` rewrites that worker's events so the client sees
 one stream: the original ``id`` and ``created``, no second role chunk, and usage counting both legs.
 
-Limits (documented in docs/router.md): the continuation is text-level, so the second worker re-tokenizes
-prompt + text so far; at a token boundary that a tokenizer would merge differently the remaining tokens may
-differ from an uninterrupted run (never repeated or lost text). Tokens are counted as one per content event,
-which is how vLLM streams by default (``stream_interval`` 1).
+From vLLM workers the router asks for token ids and hides them again (``strip_token_ids``): token counts are
+then exact even when vLLM merges tokens into one event, and a completions stream resumes token-exactly
+(prompt ids + delivered ids). Limits (docs/router.md): chat continues at the text level; without ids
+(SGLang) tokens are counted one per content event.
 """
 
 from __future__ import annotations
