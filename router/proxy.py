@@ -298,7 +298,7 @@ class Proxy:
         body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
         route = "local" if local else "disagg"
         client: web.StreamResponse | None = None
-        state = StreamState() if parsed.resumable else None
+        state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
         try:
             with self.balancer.lease(decode):
                 try:

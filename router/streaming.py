@@ -53,6 +53,10 @@ class _Chunk(msgspec.Struct):
 _IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[0-9,\s]*\]')
 
 
+_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
+_FINISHED = b'"finish_reason":"'
+
+
 def strip_token_ids(batch: bytes) -> bytes:
     """The events as vLLM would have sent them without ``return_token_ids``."""
     return _IDS.sub(rb'"\1":null', batch)
@@ -64,7 +68,10 @@ _decoder = msgspec.json.Decoder(_Chunk)
 class StreamState:
     """Tracks one streamed response (resumable requests only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, need_text: bool = True) -> None:
+        # Completions resumed from token ids do not need the text: then events after the first are only
+        # scanned for their ids (a regex), not decoded.
+        self.need_text = need_text
         self.id = ""
         self.created = 0
         self.text: list[str] = []
@@ -77,6 +84,15 @@ class StreamState:
 
     def observe_batch(self, batch: bytes) -> None:
         """Record the events (``data: ...\\n\\n`` each) of one write to the client."""
+        if self.ids is not None and not self.need_text:
+            # JSON escapes quotes inside strings, so these patterns only match real keys.
+            for match in _TOKEN_IDS.finditer(batch):
+                found = [int(t) for t in match.group(1).split(b",") if t.strip()]
+                self.ids.extend(found)
+                self.tokens += len(found)
+            if _FINISHED in batch:
+                self.finished = True
+            return
         for event in batch.split(_SEP):
             if event:
                 self.observe(event)
@@ -99,7 +115,7 @@ class StreamState:
             piece = choice.text if choice.delta is None else choice.delta.content
             if choice.token_ids is not None:
                 # vLLM may merge several tokens into one event when the client side is slower
-                self.ids = (self.ids or []) + choice.token_ids
+                self.ids = [*(self.ids or ()), *choice.token_ids]
                 self.tokens += len(choice.token_ids)
             elif choice.delta is not None and choice.delta.role is not None and not piece:
                 continue  # chat's opening role chunk carries no token

@@ -168,3 +168,33 @@ def test_strip_token_ids_restores_vllm_nulls() -> None:
         b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":null}],"prompt_token_ids":null}\n\n'
     )
     assert strip_token_ids(b'data: {"text":"token_ids:[1]"}') == b'data: {"text":"token_ids:[1]"}'
+
+
+def test_completions_fast_path_scans_ids_without_decoding() -> None:
+    def event(i, ids, finish=None, prompt=None):
+        return ev(
+            {
+                "id": "c",
+                "object": "text_completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": f'say "token_ids":[9] {i}',
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                        "prompt_token_ids": prompt,
+                        "token_ids": ids,
+                    }
+                ],
+            }
+        )
+
+    s = StreamState(need_text=False)
+    s.observe_batch(event(0, [10], prompt=[1, 2]))
+    s.observe_batch(event(1, [11, 12]) + event(2, [13]))
+    assert (s.prompt_ids, s.ids, s.tokens, s.finished) == ([1, 2], [10, 11, 12, 13], 4, False)
+    s.observe_batch(event(3, [14], finish="stop") + DONE)
+    assert s.ids == [10, 11, 12, 13, 14] and s.finished
