@@ -87,3 +87,15 @@ def vllm_server(
 def base_url(server: ManagedServer) -> str:
     """``http://host:port`` of a server built by this module (derived from its health URL)."""
     return server.health_url.rsplit("/", 1)[0]
+
+
+def router_server(config: Path, *, log_dir: Path, port: int, name: str = "router") -> ManagedServer:
+    """``pd-router --config CONFIG --port PORT`` (not yet started); healthy once it answers ``/ready``."""
+    argv = [sys.executable, "-m", "router.cli", "--config", str(config), "--port", str(port)]
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/ready",
+        env={"TOKENIZERS_PARALLELISM": "false"},
+    )

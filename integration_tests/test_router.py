@@ -1,0 +1,240 @@
+"""pd-router (a real process) in front of real vLLM CPU servers on the tiny model.
+
+Two decode servers (one per core) behind the router. Proven here: the threshold path (a short prompt goes to
+a decode server only and its greedy output equals calling that server directly), the official ``openai``
+client through the router, and a decode server SIGKILLed mid-stream with the other one continuing the
+stream. The P/D path (PDConnector) plugs in as one more fixture: ``prefill_workers`` returns the
+``[[prefill]]`` tables of the running prefill servers (empty until the connector lands), and the config and
+tests take it from there. The kill test runs last in this module because it leaves one decode server dead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from pd_disagg.engines import base_url, router_server, vllm_server
+from pd_disagg.servers import ManagedServer, free_port
+
+MAX_MODEL_LEN = 1024
+THRESHOLD = 64
+SHORT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def decode_servers(start_servers, tiny_model: Path, log_dir: Path) -> list[ManagedServer]:
+    return start_servers(
+        *(
+            vllm_server(
+                tiny_model, log_dir=log_dir, name=f"router-d{i}", cpu_core=i, max_model_len=MAX_MODEL_LEN
+            )
+            for i in range(2)
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def prefill_workers() -> list[dict[str, Any]]:
+    """``[[prefill]]`` entries of running PDConnector prefill servers; none yet (connector not merged)."""
+    return []
+
+
+def _toml(value: Any) -> str:
+    return json.dumps(value)  # JSON strings and numbers are valid TOML values
+
+
+@pytest.fixture(scope="module")
+def router_proc(
+    start_servers, tmp_path_factory, tiny_model: Path, log_dir: Path, decode_servers, prefill_workers
+) -> ManagedServer:
+    lines = [
+        'flow = "pd-push"',
+        "[model]",
+        f"path = {_toml(str(tiny_model))}",
+        f"max_model_len = {MAX_MODEL_LEN}",
+        "[policy]",
+        f"threshold_tokens = {THRESHOLD}",
+        "[health]",
+        "interval_s = 0.5",
+        "[retry]",
+        "backoff_base_s = 0.01",
+    ]
+    for w in prefill_workers:
+        lines += ["[[prefill]]", *(f"{k} = {_toml(v)}" for k, v in w.items())]
+    for d in decode_servers:
+        lines += ["[[decode]]", f"url = {_toml(base_url(d))}"]
+    config = tmp_path_factory.mktemp("router") / "router.toml"
+    config.write_text("\n".join(lines) + "\n")
+    port = free_port()
+    (server,) = start_servers(router_server(config, log_dir=log_dir, port=port))
+    return server
+
+
+@pytest.fixture(scope="module")
+def router(router_proc: ManagedServer) -> str:
+    return base_url(router_proc)
+
+
+async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, await r.read()
+
+
+async def _metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return await r.text()
+
+
+async def test_short_prompt_threshold_path_equals_decode_directly(
+    router: str, decode_servers, tiny_model
+) -> None:
+    body = {
+        "model": str(tiny_model),
+        "prompt": SHORT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    status, via_router = await _post(router, "/v1/completions", body)
+    assert status == 200, via_router
+    direct = [json.loads((await _post(base_url(d), "/v1/completions", body))[1]) for d in decode_servers]
+    routed = json.loads(via_router)
+    assert (
+        routed["choices"][0]["token_ids"]
+        == direct[0]["choices"][0]["token_ids"]
+        == direct[1]["choices"][0]["token_ids"]
+    )
+    assert len(routed["choices"][0]["token_ids"]) == 16
+    assert 'reason="short",route="local"' in await _metrics(router)
+
+
+async def test_streamed_framing_matches_vllm(router: str, decode_servers, tiny_model) -> None:
+    """Same events, fields and order as vLLM itself (vLLM may merge tokens into one event under load, so
+    the content is compared joined; the router asks for token ids to resume exactly and must hide them)."""
+    body = {
+        "model": str(tiny_model),
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    _, via_router = await _post(router, "/v1/chat/completions", body)
+    _, direct = await _post(base_url(decode_servers[0]), "/v1/chat/completions", body)
+
+    def events(raw: bytes) -> list[Any]:
+        out: list[Any] = []
+        for event in raw.split(b"\n\n")[:-1]:
+            assert event.startswith(b"data: ")
+            payload = event[6:]
+            out.append(payload if payload == b"[DONE]" else {**json.loads(payload), "id": 0, "created": 0})
+        return out
+
+    def content(evs: list[Any]) -> str:
+        return "".join(c["delta"].get("content") or "" for e in evs[:-1] for c in e["choices"])
+
+    def keys(e: Any) -> Any:
+        return e if isinstance(e, bytes) else (sorted(e), [sorted(c) for c in e["choices"]])
+
+    ours, theirs = events(via_router), events(direct)
+    assert via_router.endswith(b"\n\ndata: [DONE]\n\n") and b'"token_ids":[' not in via_router
+    assert ours[0] == theirs[0]  # role chunk
+    assert ours[-2:] == theirs[-2:]  # usage chunk, [DONE]
+    assert content(ours) == content(theirs)
+    assert {repr(keys(e)) for e in ours} <= {repr(keys(e)) for e in theirs}
+
+
+async def test_openai_client_through_router(router: str, decode_servers, tiny_model) -> None:
+    model = str(tiny_model)
+    via = openai.AsyncOpenAI(base_url=router + "/v1", api_key="unused", max_retries=0)
+    direct = openai.AsyncOpenAI(base_url=base_url(decode_servers[1]) + "/v1", api_key="unused", max_retries=0)
+    try:
+        for client in (via, direct):
+            assert [m.id async for m in client.models.list()] == [model]
+        long_prompt = "import os\n" * 40  # above the threshold; no prefill pool yet -> D prefills locally
+        for prompt in (SHORT, long_prompt):
+            a = await via.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+            b = await direct.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+            assert a.choices[0].text == b.choices[0].text
+            stream = await via.completions.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+            )
+            assert "".join([c.choices[0].text async for c in stream if c.choices]) == b.choices[0].text
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a function."}]
+        ca = await via.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+        cb = await direct.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0
+        )
+        assert ca.choices[0].message.content == cb.choices[0].message.content
+        chat_stream = await via.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in chat_stream if c.choices])
+        assert text == cb.choices[0].message.content
+        with pytest.raises(openai.BadRequestError):
+            await via.completions.create(model=model, prompt="x " * 2000, max_tokens=4)
+    finally:
+        await via.close()
+        await direct.close()
+
+
+async def test_decode_killed_mid_stream_other_decode_continues(
+    router: str, router_proc: ManagedServer, decode_servers, tiny_model
+) -> None:
+    """SIGKILL the decode server that serves a stream; the client's stream goes on without loss or repeats.
+
+    The router resumes completions token-exactly (prompt ids + delivered ids), so with greedy sampling the
+    stream equals an uninterrupted run on the surviving server.
+    """
+    model, prompt, max_tokens = str(tiny_model), "class Stack:\n    def push(self, item):", 400
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    by_url = {base_url(d): d for d in decode_servers}
+    ids: list[int] = []
+    event_ids: set[str] = set()
+    killed: ManagedServer | None = None
+    timeout = aiohttp.ClientTimeout(total=180)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(router + "/v1/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            event_ids.add(chunk["id"])
+            ids += chunk["choices"][0]["token_ids"]
+            if killed is None and len(ids) >= 3:
+                async with s.get(router + "/admin/workers") as w:
+                    busy = [
+                        x["url"] for x in (await w.json())["workers"] if x["role"] == "decode" and x["active"]
+                    ]
+                assert len(busy) == 1, "the stream ended before the kill: make it longer"
+                killed = by_url[busy[0]]
+                killed.kill(signal.SIGKILL)
+    assert killed is not None
+    survivor = next(d for d in decode_servers if d is not killed)
+    assert "pd_router_decode_resumes_total 1.0" in await _metrics(router)
+    assert re.search(r"resuming a broken stream on \S+ after \d+ tokens", router_proc.log_path.read_text())
+    assert len(event_ids) == 1  # one stream id throughout
+    direct = {k: v for k, v in body.items() if k != "stream"}
+    _, out = await _post(base_url(survivor), "/v1/completions", direct)
+    assert ids == json.loads(out)["choices"][0]["token_ids"]  # nothing lost, nothing repeated
+    assert len(ids) == max_tokens

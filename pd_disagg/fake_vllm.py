@@ -1,0 +1,339 @@
+"""A fake vLLM OpenAI server for router unit tests and the router benchmark: real HTTP, vLLM's exact framing.
+
+It answers ``/health``, ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (streamed and not)
+with the JSON and SSE bytes a vLLM 0.32 server sends (field order, ``data: ...\\n\\n`` events, the final
+``system_fingerprint``, the usage chunk for ``stream_options.include_usage``, ``data: [DONE]``), checked
+against a real server on the tiny model. Generation is deterministic and depends only on the text so far:
+the next token is `` w<n>`` where n counts the words in prompt + output, so a stream continued elsewhere from
+prompt + partial output produces exactly what an uninterrupted one would (what the router's failover needs).
+
+Knobs on ``FakeEngine`` let tests make it slow, fail with a status, die mid-stream, or report unhealthy; it
+records every request body and every leg the client abandoned. Runs in-process (aiohttp test server) or as a
+process: ``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+FINGERPRINT = "vllm-0.32.0-c2432dea"
+_ids = itertools.count()
+
+
+def next_token(text: str) -> str:
+    return f" w{len(text.split())}"
+
+
+def generate(text: str, n: int) -> list[str]:
+    out = []
+    for _ in range(n):
+        tok = next_token(text)
+        out.append(tok)
+        text += tok
+    return out
+
+
+@dataclass
+class FakeEngine:
+    """State and failure knobs of one fake server (tests set them between requests)."""
+
+    model: str = "fake-model"
+    max_model_len: int = 4096
+    token_delay_s: float = 0.0
+    first_token_delay_s: float = 0.0
+    default_max_tokens: int = 16
+    healthy: bool = True
+    fail_status: int = 0  # answer every generation request with this status
+    # Close the connection abruptly after this many streamed tokens, or before a non-streamed answer (once).
+    die_after_tokens: int = -1
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    abandoned: int = 0  # legs whose client closed the connection before the end
+    finished: int = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "vllm",
+                    "root": self.model,
+                    "parent": None,
+                    "max_model_len": self.max_model_len,
+                }
+            ],
+        }
+        return web.json_response(data, dumps=lambda o: msgspec.json.encode(o).decode())
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    @staticmethod
+    def _error(status: int, message: str, param: str | None = None) -> web.Response:
+        body = {"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}}
+        return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        self.requests.append(body)
+        if self.fail_status:
+            return self._error(self.fail_status, "injected failure")
+        if body.get("model") != self.model:
+            return self._error(404, f"The model `{body.get('model')}` does not exist.", "model")
+        n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.default_max_tokens
+        if not isinstance(n_tokens, int) or n_tokens < 1:
+            return self._error(400, f"max_tokens must be at least 1, got {n_tokens}.", "max_tokens")
+        if chat:
+            text = "".join(str(m.get("content") or "") + " " for m in body["messages"])
+            if body.get("continue_final_message"):
+                text = text[:-1]
+        else:
+            text = body["prompt"] if isinstance(body["prompt"], str) else " ".join(map(str, body["prompt"]))
+        prompt_tokens = len(text.split())
+        tokens = generate(text, n_tokens)
+        if self.first_token_delay_s:
+            try:
+                await asyncio.sleep(self.first_token_delay_s)
+            except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
+                self.abandoned += 1
+                raise
+        kv = body.get("kv_transfer_params")
+        returned = (
+            {"remote_engine_id": "fake", "remote_block_ids": [0]}
+            if kv and kv.get("do_remote_decode")
+            else None
+        )
+        if not body.get("stream"):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s * n_tokens)
+            if self.die_after_tokens >= 0:  # the process "dies" before answering
+                self.die_after_tokens = -1
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            self.finished += 1
+            return _unary(self.model, chat, "".join(tokens), prompt_tokens, n_tokens, returned)
+        return await self._stream(request, body, chat, tokens, prompt_tokens)
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], chat: bool, tokens: list[str], prompt_tokens: int
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids):016x}"
+        created = int(time.time())
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": self.model,
+        }
+        # return_token_ids: the prompt's ids are its word positions, a token's id is the number in " w<n>"
+        with_ids = bool(body.get("return_token_ids"))
+        prompt_ids = list(range(prompt_tokens)) if with_ids else None
+        try:
+            if chat:
+                first = {
+                    **head,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    "prompt_token_ids": prompt_ids,
+                    "prompt_text": None,
+                }
+                await resp.write(_event(first))
+            for i, tok in enumerate(tokens):
+                if i == self.die_after_tokens:
+                    self.die_after_tokens = -1
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                ids = (
+                    ([token_id(tok)], prompt_ids if i == 0 and not chat else None)
+                    if with_ids
+                    else (None, None)
+                )
+                await resp.write(_event(_chunk(head, chat, tok, i == len(tokens) - 1, *ids)))
+            opts = body.get("stream_options") or {}
+            if opts.get("include_usage"):
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens + len(tokens),
+                    "completion_tokens": len(tokens),
+                }
+                await resp.write(
+                    _event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
+                )
+            await resp.write(b"data: [DONE]\n\n")
+            self.finished += 1
+        except (asyncio.CancelledError, ConnectionError):
+            self.abandoned += 1
+            raise
+        return resp
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def token_id(tok: str) -> int:
+    return int(tok[2:])
+
+
+def _chunk(
+    head: dict[str, Any],
+    chat: bool,
+    tok: str,
+    last: bool,
+    ids: list[int] | None,
+    prompt_ids: list[int] | None,
+) -> dict[str, Any]:
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": tok},
+            "logprobs": None,
+            "finish_reason": "length" if last else None,
+        }
+        if last:
+            choice["stop_reason"] = None
+        choice["token_ids"] = ids
+        return {**head, "choices": [choice]}
+    choice = {
+        "index": 0,
+        "text": tok,
+        "logprobs": None,
+        "finish_reason": "length" if last else None,
+        "stop_reason": None,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": ids,
+    }
+    out = {**head, "choices": [choice]}
+    if last:
+        out["system_fingerprint"] = FINGERPRINT
+    return out
+
+
+def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: Any) -> web.Response:
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + n,
+        "completion_tokens": n,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids):016x}"
+    head = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
+    if chat:
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        }
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": None,
+            "routed_experts": None,
+        }
+        out = {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": kv,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+        out = {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": usage,
+            "kv_transfer_params": kv,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    return web.Response(body=msgspec.json.encode(out), content_type="application/json")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="fake vLLM OpenAI server (router tests and benchmark)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    engine = FakeEngine(model=args.model, token_delay_s=args.token_delay_ms / 1e3)
+    web.run_app(engine.app(), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

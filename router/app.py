@@ -1,0 +1,299 @@
+"""The router's aiohttp application: OpenAI endpoints, health/readiness, metrics and the admin API.
+
+Built by ``make_app(cfg)`` and served by ``cli.py`` (or by aiohttp's test server in unit tests). One
+``RouterState`` per app holds the pools, the policy, the upstream session and the metrics, so several routers
+can live in one process. Every error a client can cause is answered with an OpenAI-style 4xx body; request
+bodies and Authorization headers are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.balancer import Balancer, Worker
+from router.config import RouterConfig, WorkerConfig, secret_hook, worker_errors
+from router.errors import ApiError, bad_request
+from router.health import HealthChecker, check_once
+from router.metrics import CONTENT_TYPE, RouterMetrics
+from router.policy import make_policy
+from router.proxy import Proxy
+from router.requests import Kind, decode_json, parse
+from router.tokenize import PromptTokenizer
+
+log = logging.getLogger("router.app")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouterState:
+    """Everything one router instance owns (created at app start-up, closed at clean-up)."""
+
+    def __init__(self, cfg: RouterConfig, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.rng = rng or random.Random()
+        self.tokenizer = PromptTokenizer(cfg.tokenizer_dir())
+        self.metrics = RouterMetrics()
+        self.balancer = Balancer(cfg.circuit, self.rng)
+        for role, workers in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for w in workers:
+                self.balancer.add(w, role).healthy = False  # until the first check passes
+        self.metrics.watch_workers(self.balancer.all_workers)
+        self.keys = cfg.client_keys()
+        self.created = int(time.time())
+        self.session: aiohttp.ClientSession | None = None
+        self.checker: HealthChecker | None = None
+        self.proxy: Proxy | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.proxy = Proxy(
+            self.cfg, self.balancer, make_policy(self.cfg.policy), self.session, self.metrics, self.rng
+        )
+        self.checker = HealthChecker(self.cfg.health, self.session, self.balancer.all_workers, self._changed)
+        await self.initial_check(self.balancer.all_workers())
+        self.checker.start()
+
+    async def initial_check(self, workers: list[Worker]) -> None:
+        """One check per worker that sets its state directly (no streak needed at start-up or when added)."""
+        session = self.session
+        assert session is not None
+        results = await asyncio.gather(
+            *(check_once(session, w.url, self.cfg.health.timeout_s) for w in workers)
+        )
+        for w, ok in zip(workers, results, strict=True):
+            w.healthy = ok
+            if not w.healthy:
+                log.warning("%s worker %s is not healthy yet", w.role, w.url)
+            self._changed(w)
+
+    def _changed(self, worker: Any) -> None:
+        self.balancer.decode.notify()
+        self.balancer.prefill.notify()
+
+    async def close(self) -> None:
+        if self.checker is not None:
+            await self.checker.stop()
+        if self.session is not None:
+            await self.session.close()
+
+
+STATE = web.AppKey("state", RouterState)
+_PUBLIC = frozenset({"/health", "/ready", "/metrics"})
+
+
+def _authorized(state: RouterState, request: web.Request) -> bool:
+    if not state.keys or request.path in _PUBLIC:
+        return True
+    header = request.headers.get("Authorization", "")
+    token = header[7:] if header.startswith("Bearer ") else ""
+    return any(hmac.compare_digest(token.encode(), k.encode()) for k in state.keys)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    endpoint = (
+        request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    )
+    try:
+        if not _authorized(state, request):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        resp = await handler(request)
+    except ApiError as e:
+        resp = e.response()
+    except web.HTTPRequestEntityTooLarge:
+        resp = ApiError(413, f"request body exceeds {state.cfg.server.max_body_bytes} bytes").response()
+    except web.HTTPException as e:  # aiohttp's own 404/405 for unknown paths and methods
+        resp = ApiError(e.status, e.reason).response()
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        resp = ApiError(500, "internal router error").response()
+    state.metrics.responses.labels(endpoint, str(resp.status)).inc()
+    return resp
+
+
+async def _read_body(request: web.Request) -> bytes:
+    limit = request.app[STATE].cfg.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    return await request.read()
+
+
+def _completions_handler(kind: Kind, path: str) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        assert state.proxy is not None
+        raw = await _read_body(request)
+        cfg = state.cfg
+        parsed = await parse(kind, raw, state.tokenizer, cfg.served_names(), cfg.model.max_model_len)
+        return await state.proxy.handle(request, parsed, path)
+
+    return handle
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    cfg = state.cfg
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "pd-router",
+            "root": cfg.model.path,
+            "parent": None,
+            "max_model_len": cfg.model.max_model_len,
+        }
+        for name in cfg.served_names()
+    ]
+    return web.Response(
+        body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json"
+    )
+
+
+async def _health(request: web.Request) -> web.Response:
+    """Liveness: the router process answers."""
+    return web.Response(text="ok")
+
+
+async def _ready(request: web.Request) -> web.Response:
+    """Readiness: at least one decode worker can take requests."""
+    if request.app[STATE].balancer.decode.usable():
+        return web.Response(text="ready")
+    return web.Response(status=503, text="no usable decode worker")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# ---- admin API: list, add, remove, drain workers at runtime -----------------------------------------------
+
+
+class _WorkerRef(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    url: str
+
+
+class _AddWorker(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    worker: WorkerConfig
+
+
+def _describe(w: Worker) -> dict[str, Any]:
+    return {
+        "role": w.role,
+        "url": w.url,
+        "engine": w.cfg.engine,
+        "healthy": w.healthy,
+        "draining": w.draining,
+        "circuit": w.circuit.state.value,
+        "active": w.active,
+        "outstanding_prefill_tokens": w.outstanding_tokens,
+    }
+
+
+def _admin_body(raw: bytes, spec: type[Any]) -> Any:
+    try:
+        value = msgspec.convert(decode_json(raw), spec, strict=True)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid admin request: {e}") from None
+    if value.role not in ("prefill", "decode"):
+        raise bad_request("role must be 'prefill' or 'decode'", "role")
+    return value
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+
+
+async def _list_workers(request: web.Request) -> web.Response:
+    return _json({"workers": [_describe(w) for w in request.app[STATE].balancer.all_workers()]})
+
+
+async def _add_worker(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        req = msgspec.convert(
+            decode_json(await _read_body(request)), _AddWorker, strict=True, dec_hook=secret_hook
+        )
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid admin request: {e}") from None
+    if req.role not in ("prefill", "decode"):
+        raise bad_request("role must be 'prefill' or 'decode'", "role")
+    problems = worker_errors(req.worker, req.role, state.cfg.flow)
+    if problems:
+        raise bad_request("; ".join(problems), "worker")
+    try:
+        worker = state.balancer.add(req.worker, req.role)
+    except ValueError as e:
+        raise ApiError(409, str(e)) from None
+    worker.healthy = False
+    await state.initial_check([worker])
+    log.info("admin: added %s worker %s", req.role, req.worker.url)
+    return _json(_describe(worker), 201)
+
+
+async def _remove_worker(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ref = _admin_body(await _read_body(request), _WorkerRef)
+    try:
+        worker = state.balancer.remove(ref.url, ref.role)
+    except KeyError:
+        raise ApiError(404, f"no {ref.role} worker {ref.url}") from None
+    log.info("admin: removed %s worker %s (%d legs finish there)", ref.role, ref.url, worker.active)
+    return _json(_describe(worker))
+
+
+async def _drain_worker(request: web.Request) -> web.Response:
+    """Stop sending new requests to a worker (``{"drain": false}`` in the body undoes it)."""
+    state = request.app[STATE]
+    raw = await _read_body(request)
+    body = decode_json(raw)
+    drain = body.pop("drain", True)
+    if not isinstance(drain, bool):
+        raise bad_request("drain must be true or false", "drain")
+    ref = _admin_body(msgspec.json.encode(body), _WorkerRef)
+    worker = state.balancer.pool(ref.role).find(ref.url)
+    if worker is None:
+        raise ApiError(404, f"no {ref.role} worker {ref.url}")
+    worker.draining = drain
+    state.balancer.pool(ref.role).notify()
+    log.info("admin: %s %s worker %s", "draining" if drain else "undrained", ref.role, ref.url)
+    return _json(_describe(worker))
+
+
+def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Application:
+    """The router as an aiohttp app (start-up runs a first health round and starts the checker)."""
+    app = web.Application(middlewares=[_errors], client_max_size=cfg.server.max_body_bytes)
+    state = RouterState(cfg, rng)
+    app[STATE] = state
+
+    async def lifecycle(app: web.Application) -> Any:
+        await state.start()
+        yield
+        await state.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", _completions_handler("completions", "/v1/completions"))
+    app.router.add_post("/v1/chat/completions", _completions_handler("chat", "/v1/chat/completions"))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/workers", _list_workers)
+    app.router.add_post("/admin/workers", _add_worker)
+    app.router.add_delete("/admin/workers", _remove_worker)
+    app.router.add_post("/admin/workers/drain", _drain_worker)
+    return app

@@ -1,0 +1,54 @@
+"""``pd-router --config cluster.toml``: load the config and serve the router until SIGINT/SIGTERM.
+
+Runs the aiohttp app on uvloop when it is installed (lower per-request overhead), else on asyncio's loop.
+A config error exits with status 2 and the validation message, before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from aiohttp import web
+
+from router.app import make_app
+from router.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pd-router", description="OpenAI-compatible P/D disaggregation router"
+    )
+    parser.add_argument("--config", required=True, help="TOML file (see docs/configuration.md, ## router)")
+    parser.add_argument("--host", help="override server.host")
+    parser.add_argument("--port", type=int, help="override server.port")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"pd-router: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    try:
+        app = make_app(cfg)
+    except (OSError, ValueError) as e:  # tokenizer files missing or unreadable
+        print(f"pd-router: {e}", file=sys.stderr)
+        return 2
+    host = args.host or cfg.server.host
+    port = args.port or cfg.server.port
+    web.run_app(app, host=host, port=port, access_log=None, handler_cancellation=True, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one router instance, served at ``/metrics``.
+
+Each ``App`` owns its own ``CollectorRegistry`` (no process-global state, so tests can run several routers in
+one process). The request path records which route a request took, time to first token, inter-token gaps,
+per-worker legs in flight and errors, and failovers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from router.balancer import Worker
+from router.health import CircuitState
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pd_router_requests",
+            "Requests by endpoint, route taken (local, disagg, rejected) and reason",
+            ["endpoint", "route", "reason"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "pd_router_responses", "Responses by endpoint and HTTP status", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "pd_router_ttft_seconds",
+            "Arrival to first token sent, streamed requests",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pd_router_itl_seconds",
+            "Gaps between streamed chunks sent to the client",
+            ["route"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pd_router_request_seconds",
+            "Arrival to last byte",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_errors = Counter(
+            "pd_router_worker_errors",
+            "Failed upstream legs per worker and kind",
+            ["role", "url", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pd_router_retries", "Attempts retried before the first byte", ["role"], registry=r
+        )
+        self.resumes = Counter(
+            "pd_router_decode_resumes",
+            "Streams continued on another decode worker after a failure",
+            registry=r,
+        )
+        self.prefill_failures = Counter(
+            "pd_router_prefill_failures",
+            "Prefill legs that failed; the decode worker recomputed (pd-push) or another P/local prefill took over",
+            ["flow"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "pd_router_client_disconnects", "Clients that went away before the response ended", registry=r
+        )
+        self.queued = Gauge("pd_router_waiting", "Requests waiting for a decode slot", registry=r)
+
+    def watch_workers(self, workers: Callable[[], Iterable[Worker]]) -> None:
+        """Export per-worker load and state, read from the balancer at scrape time (no per-request cost)."""
+        self.registry.register(_WorkerCollector(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "url"]
+        in_flight = GaugeMetricFamily(
+            "pd_router_worker_in_flight", "Upstream legs in flight per worker", labels=labels
+        )
+        tokens = GaugeMetricFamily(
+            "pd_router_worker_outstanding_prefill_tokens",
+            "Prompt tokens of prefill legs in flight",
+            labels=labels,
+        )
+        healthy = GaugeMetricFamily(
+            "pd_router_worker_healthy", "1 if the worker passes health checks", labels=labels
+        )
+        circuit = GaugeMetricFamily(
+            "pd_router_worker_circuit_open", "1 if the worker's circuit is open", labels=labels
+        )
+        draining = GaugeMetricFamily(
+            "pd_router_worker_draining", "1 if the worker gets no new requests", labels=labels
+        )
+        for w in self._workers():
+            key = [w.role, w.url]
+            in_flight.add_metric(key, w.active)
+            tokens.add_metric(key, w.outstanding_tokens)
+            healthy.add_metric(key, float(w.healthy))
+            circuit.add_metric(key, float(w.circuit.state is CircuitState.OPEN))
+            draining.add_metric(key, float(w.draining))
+        yield from (in_flight, tokens, healthy, circuit, draining)

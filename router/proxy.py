@@ -1,0 +1,505 @@
+"""One client request from admission to its last byte: route, pick workers, send legs, retry, resume.
+
+Called by the completions / chat handlers in ``app.py`` (router process, one coroutine per request).
+
+- Admission: more than ``server.max_pending`` requests in the router -> 429 with Retry-After. Every decode
+  worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429.
+- Route: the policy says LOCAL (D only, the body forwarded unchanged) or DISAGG (P and D legs per flow).
+- Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
+  stream) is retried on other workers with exponential backoff and jitter, at most ``retry.max_attempts``.
+- After the first byte: a decode worker failure is resumed on another decode worker (``streaming.py``).
+- P failures: pd-push lets D recompute (its connector times out and prefills locally, per CONTRACT.md);
+  vllm-standard tries another P, then prefills on D; sglang-bootstrap aborts the D leg and retries the pair.
+- Client disconnect (aiohttp cancels the handler): both legs are closed, which makes vLLM abort them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.balancer import Balancer, Worker
+from router.config import RouterConfig
+from router.errors import ApiError, overloaded
+from router.metrics import RouterMetrics
+from router.policy import Decision, Policy, PolicyInput, Route
+from router.requests import Parsed
+from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
+from router.upstream import (
+    UpstreamError,
+    bootstrap_room,
+    decode_body,
+    open_stream,
+    post_json,
+    prefill_body,
+    read_event,
+    read_some,
+    returned_params,
+    transfer_id,
+)
+
+log = logging.getLogger("router.proxy")
+# Tells the client which path its request took (local: D only; disagg: P->D), for debugging and the demo.
+ROUTE_HEADER = "X-PD-Route"
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}  # as vLLM sends
+
+
+class _PrefillFailed(UpstreamError):
+    """The P leg failed and the D leg cannot go on without it (sglang-bootstrap); D is not to blame."""
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+class Proxy:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        balancer: Balancer,
+        policy: Policy,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.balancer = balancer
+        self.policy = policy
+        self.session = session
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self.pending = 0
+
+    # ---- admission and routing ---------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request, parsed: Parsed, path: str) -> web.StreamResponse:
+        if self.pending >= self.cfg.server.max_pending:
+            self.metrics.requests.labels(path, "rejected", "overload").inc()
+            raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)
+        self.pending += 1
+        start = time.monotonic()
+        committed: list[web.StreamResponse] = []  # the client stream, once its headers went out
+        try:
+            decision = await self._decide(parsed, path)
+            self.metrics.requests.labels(path, decision.route.value, decision.reason).inc()
+            async with asyncio.timeout(self.cfg.timeouts.request_s):
+                resp = await self._attempts(request, parsed, path, decision.route, start, committed)
+            self.metrics.e2e.labels(decision.route.value).observe(time.monotonic() - start)
+            return resp
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client disconnects
+            self.metrics.client_disconnects.inc()
+            raise
+        except TimeoutError:
+            if not committed:
+                raise ApiError(504, "the request timed out") from None
+            with contextlib.suppress(_ClientGone):
+                await self._write_error(committed[0], "the request timed out", 504)
+            return committed[0]
+        finally:
+            self.pending -= 1
+
+    async def _decide(self, parsed: Parsed, path: str) -> Decision:
+        """The policy's route; while it says WAIT, wait for a decode slot (bounded by queue_timeout_s)."""
+        deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
+        self.metrics.queued.inc()
+        try:
+            while True:
+                b = self.balancer
+                decision = self.policy.decide(
+                    PolicyInput(parsed.prompt_tokens, b.prefill.load(), b.decode.load())
+                )
+                if decision.route is not Route.WAIT:
+                    return decision
+                if decision.reason == "no_decode":
+                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    raise ApiError(
+                        503,
+                        "no healthy decode worker is available",
+                        retry_after_s=self.cfg.server.retry_after_s,
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    raise overloaded("every decode worker is at capacity", self.cfg.server.retry_after_s)
+                # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, 0.5)):
+                        await b.decode.changed.wait()
+        finally:
+            self.metrics.queued.dec()
+
+    def _backoff(self, attempt: int) -> float:
+        r = self.cfg.retry
+        base = min(r.backoff_max_s, r.backoff_base_s * (2**attempt))
+        return base * self.rng.uniform(1 - r.jitter, 1 + r.jitter)
+
+    async def _attempts(
+        self,
+        request: web.Request,
+        parsed: Parsed,
+        path: str,
+        route: Route,
+        start: float,
+        committed: list[web.StreamResponse],
+    ) -> web.StreamResponse:
+        failed: set[Worker] = set()
+        last: UpstreamError | None = None
+        for attempt in range(self.cfg.retry.max_attempts):
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+                await asyncio.sleep(self._backoff(attempt - 1))
+            decode = self.balancer.pick_decode(self.cfg.policy.decode_max_active, failed)
+            if decode is None:
+                break
+            prefill = self.balancer.pick_prefill(failed) if route is Route.DISAGG else None
+            try:
+                if parsed.stream:
+                    return await self._stream(
+                        request, parsed, path, decode, prefill, failed, start, committed
+                    )
+                return await self._unary(parsed, path, decode, prefill, failed)
+            except UpstreamError as e:
+                if e.client_error:
+                    return web.Response(status=e.status, body=e.body, content_type="application/json")
+                last = e
+                log.warning("attempt %d failed: %s", attempt + 1, e)
+        if last is None:
+            raise ApiError(
+                503, "no healthy decode worker is available", retry_after_s=self.cfg.server.retry_after_s
+            )
+        if last.status == 429:
+            raise overloaded("upstream workers are overloaded", self.cfg.server.retry_after_s)
+        log.error("giving up after %d attempts: %s", self.cfg.retry.max_attempts, last)
+        what = "timed out" if last.kind == "timeout" else f"failed ({last.kind})"
+        raise ApiError(502, f"upstream workers {what} after {self.cfg.retry.max_attempts} attempts")
+
+    # ---- legs ---------------------------------------------------------------------------------------------
+
+    def _fail(self, worker: Worker, e: UpstreamError, failed: set[Worker]) -> None:
+        self.metrics.worker_errors.labels(worker.role, worker.url, e.kind).inc()
+        if e.worker_fault:
+            worker.circuit.record_failure()
+            failed.add(worker)
+
+    def _blame(self, e: UpstreamError, decode: Worker, prefill: Worker | None, failed: set[Worker]) -> None:
+        """Record a failed attempt against the worker that caused it (its P leg was already counted)."""
+        if isinstance(e, _PrefillFailed):
+            if prefill is not None:
+                failed.add(prefill)
+        else:
+            self._fail(decode, e, failed)
+
+    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
+        t = self.cfg.timeouts
+        return aiohttp.ClientTimeout(total=total, connect=t.connect_s, sock_connect=t.connect_s)
+
+    async def _decode_request(
+        self, parsed: Parsed, path: str, prefill: Worker | None, failed: set[Worker], extra: dict[str, Any]
+    ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
+        """The body for D (plus ``extra`` fields), whether it is the local path, and a concurrent P leg."""
+        local = parsed.raw if not extra else msgspec.json.encode({**parsed.body, **extra})
+        if prefill is None:
+            return local, True, None
+        flow = self.cfg.flow
+        transfer, room = transfer_id(), bootstrap_room(self.rng)
+        p_body = prefill_body(parsed.body, flow, transfer, prefill, room)
+        if flow == "vllm-standard":
+            for candidate in self._prefill_candidates(prefill, failed):
+                try:
+                    data = await self._post_prefill(candidate, path, p_body, parsed.prompt_tokens)
+                    params = returned_params(data)
+                except UpstreamError as e:
+                    self._fail(candidate, e, failed)
+                    continue
+                d_body = decode_body(parsed.body, flow, transfer, candidate, room, params)
+                return msgspec.json.encode({**d_body, **extra}), False, None
+            return local, True, None  # no prefill worker succeeded: D prefills locally
+        task = asyncio.create_task(self._post_prefill(prefill, path, p_body, parsed.prompt_tokens))
+        task.add_done_callback(_consume)
+        d_body = decode_body(parsed.body, flow, transfer, prefill, room)
+        return msgspec.json.encode({**d_body, **extra}), False, task
+
+    def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
+        others = [w for w in self.balancer.prefill.usable() if w is not first and w not in failed]
+        return [first, *others[: self.cfg.retry.max_attempts - 1]]
+
+    async def _post_prefill(self, prefill: Worker, path: str, body: bytes, tokens: int) -> bytes:
+        with self.balancer.lease(prefill, tokens):
+            try:
+                _, data = await post_json(self.session, prefill, path, body, self._timeout())
+            except UpstreamError as e:
+                self.metrics.prefill_failures.labels(self.cfg.flow).inc()
+                if e.worker_fault:
+                    prefill.circuit.record_failure()
+                self.metrics.worker_errors.labels(prefill.role, prefill.url, e.kind).inc()
+                raise
+        prefill.circuit.record_success()
+        return data
+
+    async def _guarded(self, p_task: asyncio.Task[bytes] | None, leg: Awaitable[Any]) -> Any:
+        """Await a D leg; in sglang-bootstrap a failed P leg aborts it (SGLang's D cannot prefill alone)."""
+        if p_task is None or self.cfg.flow != "sglang-bootstrap":
+            return await leg
+        d_task = asyncio.ensure_future(leg)
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and p_task.exception() is not None and not d_task.done():
+                d_task.cancel()
+                raise _PrefillFailed(
+                    "prefill", "prefill leg failed; SGLang decode cannot continue without it"
+                )
+            return await d_task
+        finally:
+            if not d_task.done():
+                d_task.cancel()
+
+    async def _unary(
+        self, parsed: Parsed, path: str, decode: Worker, prefill: Worker | None, failed: set[Worker]
+    ) -> web.Response:
+        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, {})
+        try:
+            with self.balancer.lease(decode):
+                try:
+                    _, data = await self._guarded(
+                        p_task, post_json(self.session, decode, path, body, self._timeout())
+                    )
+                except UpstreamError as e:
+                    self._blame(e, decode, prefill, failed)
+                    raise
+            decode.circuit.record_success()
+            route = "local" if local else "disagg"
+            return web.Response(body=data, content_type="application/json", headers={ROUTE_HEADER: route})
+        finally:
+            _cancel(p_task)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: Parsed,
+        path: str,
+        decode: Worker,
+        prefill: Worker | None,
+        failed: set[Worker],
+        start: float,
+        committed: list[web.StreamResponse],
+    ) -> web.StreamResponse:
+        """First attempt of a streamed request; commits to the client after the first upstream event."""
+        strip = _wants_ids(parsed, decode)
+        extra = {"return_token_ids": True} if strip else {}
+        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
+        route = "local" if local else "disagg"
+        client: web.StreamResponse | None = None
+        state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
+        try:
+            with self.balancer.lease(decode):
+                try:
+                    resp, first = await self._guarded(p_task, self._first_event(decode, path, body))
+                except UpstreamError as e:
+                    self._blame(e, decode, prefill, failed)
+                    raise
+                try:
+                    client = web.StreamResponse(headers={**_SSE_HEADERS, ROUTE_HEADER: route})
+                    try:
+                        await client.prepare(request)
+                    except (ConnectionError, aiohttp.ClientConnectionResetError):
+                        raise _ClientGone from None
+                    committed.append(client)
+                    self.metrics.ttft.labels(route).observe(time.monotonic() - start)
+                    err = await self._relay(client, resp, decode, first, state, None, route, strip)
+                finally:
+                    resp.close()
+            if err is None:
+                decode.circuit.record_success()
+                return client
+            self._fail(decode, err, failed)
+            await self._resume(client, parsed, path, state, err, failed, route, strip)
+            return client
+        except _ClientGone:
+            self.metrics.client_disconnects.inc()
+            return client or web.Response(status=499)
+        finally:
+            _cancel(p_task)
+
+    async def _first_event(
+        self, worker: Worker, path: str, body: bytes
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
+                resp = await open_stream(self.session, worker, path, body, self._timeout())
+                first = await read_event(resp, worker)
+        except TimeoutError:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError("timeout", f"no first token from {worker.url}") from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        if not first.endswith(b"\n\n"):
+            resp.close()
+            raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
+        return resp, first
+
+    async def _relay(
+        self,
+        client: web.StreamResponse,
+        resp: aiohttp.ClientResponse,
+        worker: Worker,
+        first: bytes,
+        state: StreamState | None,
+        stitcher: Stitcher | None,
+        route: str,
+        strip: bool,
+    ) -> UpstreamError | None:
+        """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
+
+        All complete events already received go out in one write (one syscall instead of one per token when
+        the upstream is ahead of the client), byte for byte; a partial event waits for its end.
+        """
+        itl = self.metrics.itl.labels(route)
+        last = time.monotonic()
+        idle = self.cfg.timeouts.idle_s
+        loop = asyncio.get_running_loop()
+        batch, rest = first, b""
+        armed = loop.time()
+        try:
+            async with asyncio.timeout(idle) as guard:
+                while True:
+                    if stitcher is not None:
+                        out = stitcher.rewrite_batch(batch)
+                    else:
+                        if state is not None:
+                            state.observe_batch(batch)
+                        out = strip_token_ids(batch) if strip else batch
+                    if out:
+                        try:
+                            await client.write(out)
+                        except (ConnectionError, aiohttp.ClientConnectionResetError):
+                            raise _ClientGone from None
+                        now = time.monotonic()
+                        itl.observe(now - last)
+                        last = now
+                    if batch.endswith(DONE):
+                        return None
+                    # Push the idle deadline out only every quarter of it (a timer per event costs more).
+                    if loop.time() - armed > idle / 4:
+                        armed = loop.time()
+                        guard.reschedule(armed + idle)
+                    while True:
+                        data = await read_some(resp, worker)
+                        if not data:
+                            return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
+                        rest += data
+                        cut = rest.rfind(b"\n\n")
+                        if cut >= 0:
+                            batch, rest = rest[: cut + 2], rest[cut + 2 :]
+                            break
+        except TimeoutError:
+            return UpstreamError("timeout", f"{worker.url} sent nothing for about {idle}s")
+        except UpstreamError as e:
+            return e
+
+    async def _resume(
+        self,
+        client: web.StreamResponse,
+        parsed: Parsed,
+        path: str,
+        state: StreamState | None,
+        err: UpstreamError,
+        failed: set[Worker],
+        route: str,
+        strip: bool,
+    ) -> None:
+        """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
+        for _ in range(self.cfg.retry.max_resumes if state is not None else 0):
+            assert state is not None
+            body = continuation(parsed, state)
+            if body is None or state.finished:
+                await self._finish(client, state, parsed)
+                return
+            decode = self.balancer.pick_decode(self.cfg.policy.decode_max_active, failed)
+            if decode is None:
+                break
+            self.metrics.resumes.inc()
+            log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
+            if strip or "return_token_ids" in parsed.body:
+                body["return_token_ids"] = True
+            stitcher = Stitcher(state, parsed.prompt_tokens, strip)
+            with self.balancer.lease(decode):
+                try:
+                    resp, first = await self._first_event(decode, path, msgspec.json.encode(body))
+                except UpstreamError as e:
+                    self._fail(decode, e, failed)
+                    err = e
+                    continue
+                try:
+                    result = await self._relay(client, resp, decode, first, state, stitcher, route, strip)
+                finally:
+                    resp.close()
+            if result is None:
+                decode.circuit.record_success()
+                return
+            self._fail(decode, result, failed)
+            err = result
+        await self._write_error(
+            client, f"the decode worker failed mid-stream and could not be resumed: {err}"
+        )
+
+    async def _finish(self, client: web.StreamResponse, state: StreamState, parsed: Parsed) -> None:
+        """All tokens were delivered before the worker died: close the stream as vLLM would."""
+        opts = parsed.body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            usage = {
+                "prompt_tokens": parsed.prompt_tokens,
+                "total_tokens": parsed.prompt_tokens + state.tokens,
+                "completion_tokens": state.tokens,
+            }
+            obj = "text_completion" if parsed.kind == "completions" else "chat.completion.chunk"
+            chunk = {
+                "id": state.id,
+                "object": obj,
+                "created": state.created,
+                "model": parsed.body["model"],
+                "choices": [],
+                "usage": usage,
+            }
+            await self._write(client, b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        await self._write(client, DONE)
+
+    async def _write_error(self, client: web.StreamResponse, message: str, status: int = 502) -> None:
+        """An error after the headers went out: an OpenAI error object as the last event, then [DONE]."""
+        err = ApiError(status, message)
+        await self._write(client, b"data: " + err.body() + b"\n\n")
+        await self._write(client, DONE)
+
+    async def _write(self, client: web.StreamResponse, data: bytes) -> None:
+        try:
+            await client.write(data)
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            raise _ClientGone from None
+
+
+def _wants_ids(parsed: Parsed, decode: Worker) -> bool:
+    """Ask a vLLM decode worker for token ids (and hide them again) so a resume is token-exact."""
+    return parsed.resumable and decode.cfg.engine == "vllm" and "return_token_ids" not in parsed.body
+
+
+def _consume(task: asyncio.Task[bytes]) -> None:
+    """Retrieve a P leg's exception so asyncio does not log it as unhandled (it is already counted)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _cancel(task: asyncio.Task[bytes] | None) -> None:
+    if task is not None and not task.done():
+        task.cancel()

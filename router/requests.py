@@ -1,0 +1,154 @@
+"""Validate a client's completions / chat body and measure its prompt, before anything goes upstream.
+
+Called by the request handlers in the router process. The body is kept as the client's dict (it is forwarded
+unchanged on the direct path, so unknown sampling fields reach the engine untouched); only the fields the
+router relies on are type-checked, through a msgspec Struct, so a wrong type yields a 400 that names the field
+(``param``) instead of a crash.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from router.errors import ApiError, bad_request
+from router.tokenize import PromptTokenizer
+
+Kind = Literal["completions", "chat"]
+
+
+class _Common(msgspec.Struct):
+    model: str
+    stream: bool = False
+    max_tokens: int | None = None
+    n: int = 1
+
+
+class _Completion(_Common):
+    # str | list[str] | list[int] | list[list[int]]: msgspec unions allow one array type, checked below.
+    prompt: str | list[Any] = ""
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Chat(_Common):
+    messages: list[_Message] = []
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Parsed(msgspec.Struct):
+    """A validated request: the client's body plus what routing needs."""
+
+    kind: Kind
+    body: dict[str, Any]
+    raw: bytes
+    prompt_tokens: int
+    max_tokens: int | None
+    stream: bool
+    # A single choice from a text prompt: a broken decode stream can be continued on another worker.
+    resumable: bool
+
+
+_PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
+_MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def _param(err: msgspec.ValidationError) -> str | None:
+    """The offending field: a missing one by name, else the top-level key of the error's path."""
+    m = _MISSING.search(str(err)) or _PATH.search(str(err))
+    return m.group(1) if m else None
+
+
+def _text_of(content: str | list[dict[str, Any]] | None) -> str:
+    """Content parts joined the way vLLM does for string-content chat templates."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "\n".join(str(p.get("text", "")) for p in content if p.get("type") == "text")
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The prompt(s) of a completions request, each a string or a list of token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return [prompt]
+    if _is_ids(prompt):
+        return [prompt]
+    if prompt and all((isinstance(p, str) and p) or _is_ids(p) for p in prompt):
+        return list(prompt)
+    raise bad_request(
+        "prompt must be a non-empty string, list of strings, list of token ids or list of token id lists",
+        "prompt",
+    )
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+async def parse(
+    kind: Kind, raw: bytes, tokenizer: PromptTokenizer, served_names: tuple[str, ...], max_model_len: int
+) -> Parsed:
+    """Validate ``raw``; raises ``ApiError`` (400/404) with an OpenAI-style message on any problem."""
+    body = decode_json(raw)
+    spec: type[_Completion] | type[_Chat] = _Completion if kind == "completions" else _Chat
+    try:
+        req = msgspec.convert(body, spec, strict=True)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"invalid request: {e}", _param(e)) from None
+    if req.model not in served_names:
+        raise ApiError(404, f"The model `{req.model}` does not exist.", "model")
+    max_tokens = req.max_tokens
+    if isinstance(req, _Chat) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    if max_tokens is not None and max_tokens <= 0:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}.", "n")
+
+    if isinstance(req, _Completion):
+        prompt = req.prompt
+        prompts = _prompts(prompt)
+        lengths = [await tokenizer.count_async(p) if isinstance(p, str) else len(p) for p in prompts]
+        # echo puts the prompt into the stream: the text so far would not be the continuation point.
+        resumable = isinstance(prompt, str) and req.n == 1 and not body.get("echo")
+    else:
+        if not req.messages:
+            raise bad_request("messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": _text_of(m.content)} for m in req.messages]
+        text = tokenizer.render_chat(
+            messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            body.get("tools"),
+            req.chat_template_kwargs,
+        )
+        lengths = [await tokenizer.count_async(text, add_special_tokens=False)]
+        resumable = req.n == 1
+    longest = max(lengths)
+    if longest >= max_model_len if max_tokens is None else longest + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{longest} prompt tokens and {max_tokens or 0} completion tokens. Please reduce the length of the "
+            "prompt or max_tokens.",
+            "input_tokens",
+        )
+    return Parsed(kind, body, raw, sum(lengths), max_tokens, req.stream, resumable and req.stream)

@@ -1,0 +1,102 @@
+"""Count prompt tokens the way the engines will: the model's HF ``tokenizers`` file and its chat template.
+
+Runs in the router process for every request (the disaggregation policy needs the prompt length, and the
+context-length check needs it before anything is sent upstream). ``transformers`` is deliberately not used:
+it is heavy to import; the chat template is rendered with jinja2 in a sandbox (templates come with model
+files and must not run arbitrary code), with the same options transformers uses (trim_blocks, lstrip_blocks,
+loop controls). Like vLLM, completions add the tokenizer's special tokens and chat prompts do not (the
+template writes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from router.errors import bad_request
+
+# Above this many characters (~1 ms of tokenizing) the work moves to a thread, where tokenizers releases the
+# GIL, so a long prompt does not stall the other requests' streams.
+_INLINE_CHARS = 2048
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _special(cfg: dict[str, Any], name: str) -> str:
+    value = cfg.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+class PromptTokenizer:
+    """Tokenizer + chat template of one model directory (loaded once at start-up)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        root = Path(model_dir)
+        try:
+            self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            raise ValueError(f"cannot load {root / 'tokenizer.json'}: {e}") from None
+        cfg_path = root / "tokenizer_config.json"
+        cfg: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.exists():
+            template = jinja_file.read_text()
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(template) if isinstance(template, str) else None
+        self._specials = {
+            name: _special(cfg, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        # encode_batch_fast skips offset tracking: ~3x less work than encode() for the same ids.
+        return len(self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    async def count_async(self, text: str, add_special_tokens: bool = True) -> int:
+        if len(text) <= _INLINE_CHARS:
+            return self.count(text, add_special_tokens)
+        return await asyncio.to_thread(self.count, text, add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text the engine builds from ``messages`` (raises a 400 ``ApiError`` on template errors)."""
+        if self._template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                tools=tools,
+                **self._specials,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:  # jinja errors, sandbox violations, template bugs on odd input
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        if continue_final_message and messages:
+            last = messages[-1].get("content")
+            if isinstance(last, str) and last and last in text:
+                text = text[: text.rindex(last) + len(last)]
+        return text

@@ -1,0 +1,60 @@
+"""The threshold policy at its boundaries (pure function of PolicyInput)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.config import PolicyConfig
+from router.policy import PolicyInput, PoolLoad, Route, ThresholdPolicy
+
+pytestmark = pytest.mark.unit
+CFG = PolicyConfig(
+    threshold_tokens=100, prefill_saturated_tokens=1000, decode_max_active=10, decode_headroom_fraction=0.5
+)
+P_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
+D_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
+
+
+def decide(tokens: int, prefill: PoolLoad = P_IDLE, decode: PoolLoad = D_IDLE):
+    return ThresholdPolicy(CFG).decide(PolicyInput(tokens, prefill, decode))
+
+
+def test_threshold_boundary() -> None:
+    assert decide(99).route is Route.LOCAL and decide(99).reason == "short"
+    assert decide(100).route is Route.DISAGG and decide(100).reason == "long"
+    assert decide(0).route is Route.LOCAL
+
+
+def test_no_prefill_worker_means_local_prefill() -> None:
+    d = decide(5000, prefill=PoolLoad())
+    assert (d.route, d.reason) == (Route.LOCAL, "no_prefill")
+
+
+def test_saturated_prefill_with_decode_headroom_goes_local() -> None:
+    busy_p = PoolLoad(workers=2, min_outstanding_tokens=1000)
+    assert decide(500, prefill=busy_p, decode=PoolLoad(2, 0, 4)).reason == "prefill_saturated"
+    # decode at the headroom boundary (5 of 10): keep disaggregating
+    assert decide(500, prefill=busy_p, decode=PoolLoad(2, 0, 5)).route is Route.DISAGG
+    # prefill one token below saturation: disaggregate
+    assert decide(500, prefill=PoolLoad(2, 999), decode=PoolLoad(2, 0, 0)).route is Route.DISAGG
+
+
+def test_saturated_decode_waits() -> None:
+    assert decide(5, decode=PoolLoad(2, 0, 10)).route is Route.WAIT
+    assert decide(5, decode=PoolLoad(2, 0, 9)).route is Route.LOCAL
+    assert decide(5, decode=PoolLoad()).reason == "no_decode"
+
+
+@given(
+    tokens=st.integers(0, 10**6),
+    p=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
+    d=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
+)
+def test_policy_is_total_and_never_sends_long_prompts_to_a_missing_pool(tokens, p, d) -> None:
+    decision = decide(tokens, p, d)
+    if decision.route is Route.DISAGG:
+        assert p.workers > 0 and tokens >= CFG.threshold_tokens
+    if d.workers == 0:
+        assert decision.route is Route.WAIT

@@ -1,0 +1,200 @@
+"""Stream bookkeeping and the stitching of a resumed stream (no servers)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from router.requests import Parsed
+from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
+
+pytestmark = pytest.mark.unit
+
+
+def ev(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def comp_chunk(text, finish=None, rid="cmpl-1", created=10):
+    return ev(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
+    )
+
+
+def chat_chunk(delta, rid="chatcmpl-1", created=10):
+    return ev(
+        {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+        }
+    )
+
+
+def parsed(kind, body, max_tokens=8):
+    return Parsed(kind, body, msgspec.json.encode(body), 5, max_tokens, True, True)
+
+
+def test_state_counts_tokens_including_empty_text_events() -> None:
+    s = StreamState()
+    for e in (comp_chunk("a"), comp_chunk(""), comp_chunk(" b"), DONE):
+        s.observe(e)
+    assert (s.id, s.created, s.tokens, "".join(s.text)) == ("cmpl-1", 10, 3, "a b")
+
+
+def test_state_skips_chat_role_chunk() -> None:
+    s = StreamState()
+    for e in (chat_chunk({"role": "assistant", "content": ""}), chat_chunk({"content": "x"})):
+        s.observe(e)
+    assert (s.tokens, s.text) == (1, ["x"])
+
+
+def test_completion_continuation_appends_text_and_reduces_max_tokens() -> None:
+    s = StreamState()
+    s.observe(comp_chunk(" w2"))
+    s.observe(comp_chunk(" w3"))
+    body = continuation(
+        parsed(
+            "completions",
+            {
+                "model": "m",
+                "prompt": "hello world",
+                "max_tokens": 8,
+                "kv_transfer_params": {"pd_transfer_id": "t"},
+            },
+        ),
+        s,
+    )
+    assert body == {"model": "m", "prompt": "hello world w2 w3", "max_tokens": 6}
+
+
+def test_chat_continuation_continues_the_assistant_message() -> None:
+    s = StreamState()
+    s.observe(chat_chunk({"role": "assistant", "content": ""}))
+    s.observe(chat_chunk({"content": "Hel"}))
+    msgs = [{"role": "user", "content": "hi"}]
+    body = continuation(parsed("chat", {"model": "m", "messages": msgs, "max_completion_tokens": 8}), s)
+    assert body is not None
+    assert body["messages"] == [*msgs, {"role": "assistant", "content": "Hel"}]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_completion_tokens"] == 7
+    # a client that was already continuing its own assistant message: extend that one
+    own = [*msgs, {"role": "assistant", "content": "Sure:"}]
+    body = continuation(parsed("chat", {"model": "m", "messages": own, "continue_final_message": True}), s)
+    assert body is not None
+    assert body["messages"][-1] == {"role": "assistant", "content": "Sure:Hel"}
+
+
+def test_nothing_left_to_generate() -> None:
+    s = StreamState()
+    s.observe(comp_chunk("a"))
+    assert continuation(parsed("completions", {"model": "m", "prompt": "p", "max_tokens": 1}, 1), s) is None
+
+
+def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
+    s = StreamState()
+    s.observe(chat_chunk({"role": "assistant", "content": ""}, rid="chatcmpl-A", created=1))
+    s.observe(chat_chunk({"content": "x"}, rid="chatcmpl-A", created=1))
+    st = Stitcher(s, prompt_tokens=5, strip_ids=False)
+    assert st.rewrite(chat_chunk({"role": "assistant", "content": ""}, rid="chatcmpl-B", created=2)) is None
+    out = st.rewrite(chat_chunk({"content": "y"}, rid="chatcmpl-B", created=2))
+    assert out is not None
+    assert msgspec.json.decode(out[6:])["id"] == "chatcmpl-A"
+    assert msgspec.json.decode(out[6:])["created"] == 1
+    usage = ev(
+        {
+            "id": "chatcmpl-B",
+            "object": "chat.completion.chunk",
+            "created": 2,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "total_tokens": 12, "completion_tokens": 3},
+        }
+    )
+    rewritten = st.rewrite(usage)
+    assert rewritten is not None
+    fixed = msgspec.json.decode(rewritten[6:])["usage"]
+    assert fixed == {"prompt_tokens": 5, "total_tokens": 5 + 4, "completion_tokens": 4}
+    assert list(fixed) == ["prompt_tokens", "total_tokens", "completion_tokens"]  # vLLM's key order
+    assert st.rewrite(DONE) == DONE
+    assert s.tokens == 2 and "".join(s.text) == "xy"
+
+
+def test_token_ids_count_merged_events_and_make_the_continuation_token_exact() -> None:
+    s = StreamState()
+    first = ev(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "ab",
+                    "logprobs": None,
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "prompt_token_ids": [5, 6, 7],
+                    "token_ids": [11, 12],
+                }
+            ],
+        }
+    )
+    s.observe_batch(first + comp_chunk("c"))
+    assert s.prompt_ids == [5, 6, 7] and s.ids == [11, 12]
+    assert s.tokens == 3  # two tokens merged into one event, then one event without ids
+    s2 = StreamState()
+    s2.observe(first)
+    body = continuation(parsed("completions", {"model": "m", "prompt": "xyz", "max_tokens": 8}), s2)
+    assert body is not None and body["prompt"] == [5, 6, 7, 11, 12] and body["max_tokens"] == 6
+
+
+def test_strip_token_ids_restores_vllm_nulls() -> None:
+    with_ids = (
+        b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":[1, 2],"token_ids":[3]}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":[]}],"prompt_token_ids":[9]}\n\n'
+    )
+    assert strip_token_ids(with_ids) == (
+        b'data: {"choices":[{"index":0,"text":"a","prompt_token_ids":null,"token_ids":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":null}],"prompt_token_ids":null}\n\n'
+    )
+    assert strip_token_ids(b'data: {"text":"token_ids:[1]"}') == b'data: {"text":"token_ids:[1]"}'
+
+
+def test_completions_fast_path_scans_ids_without_decoding() -> None:
+    def event(i, ids, finish=None, prompt=None):
+        return ev(
+            {
+                "id": "c",
+                "object": "text_completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": f'say "token_ids":[9] {i}',
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                        "prompt_token_ids": prompt,
+                        "token_ids": ids,
+                    }
+                ],
+            }
+        )
+
+    s = StreamState(need_text=False)
+    s.observe_batch(event(0, [10], prompt=[1, 2]))
+    s.observe_batch(event(1, [11, 12]) + event(2, [13]))
+    assert (s.prompt_ids, s.ids, s.tokens, s.finished) == ([1, 2], [10, 11, 12, 13], 4, False)
+    s.observe_batch(event(3, [14], finish="stop") + DONE)
+    assert s.ids == [10, 11, 12, 13, 14] and s.finished
