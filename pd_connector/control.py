@@ -123,7 +123,7 @@ class Connection:
         except ProtocolError as e:
             logger.error("pd_connector control: dropping connection %s: %s", self.peer, e)
             reason = f"protocol error: {e}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("pd_connector control: %s silent for %.1f s, closing", self.peer, self._timeout)
             reason = f"no heartbeat for {self._timeout} s"
         except (asyncio.IncompleteReadError, ConnectionError) as e:

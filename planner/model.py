@@ -41,7 +41,7 @@ PLAN_JSON_FIELDS = (
 )
 
 
-class Method(str, enum.Enum):
+class Method(enum.StrEnum):
     """How prefill (and, for rate matching, decode) throughput under the SLOs is derived."""
 
     MM1 = "mm1"

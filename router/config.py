@@ -9,11 +9,11 @@ printing or logging a config never shows them.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import tomllib
 
 Engine = Literal["vllm", "sglang"]
 Flow = Literal["pd-push", "vllm-standard", "sglang-bootstrap"]

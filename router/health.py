@@ -99,7 +99,7 @@ async def check_once(session: aiohttp.ClientSession, url: str, timeout_s: float)
     try:
         async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, aiohttp.ClientError, OSError):
         return False
 
 

@@ -70,7 +70,7 @@ async def post_json(
             worker.url + path, data=body, headers=headers_for(worker), timeout=timeout
         ) as r:
             data = await r.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise _wrap(e, worker) from None
     if r.status != 200:
         raise UpstreamError(
@@ -85,12 +85,12 @@ async def open_stream(
     """Start a streamed leg; returns the response once its headers said 200 (caller must ``release()``)."""
     try:
         resp = await session.post(worker.url + path, data=body, headers=headers_for(worker), timeout=timeout)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise _wrap(e, worker) from None
     if resp.status != 200:
         try:
             data = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             data = b""
         finally:
             resp.release()
@@ -104,7 +104,7 @@ async def read_event(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
     """The next SSE event (``data: ...\\n\\n``, separator included), or b"" at a clean end of stream."""
     try:
         return await resp.content.readuntil(b"\n\n")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
         raise _wrap(e, worker) from None
 
 
@@ -112,7 +112,7 @@ async def read_some(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
     """Whatever bytes of the stream have arrived (waits for at least one), or b"" at its end."""
     try:
         return await resp.content.readany()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise _wrap(e, worker) from None
 
 

@@ -112,7 +112,7 @@ class Receiver:
                 cfg.heartbeat_interval_s,
                 cfg.heartbeat_timeout_s,
             )
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             self._link_failed(link, f"cannot connect to prefill {link.addr}: {e!r}")
             return
         link.conn = conn
@@ -130,7 +130,7 @@ class Receiver:
         try:
             conn.send(hello)
             reply = await conn.read_message(cfg.connect_timeout_s)
-        except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
             reply = None
             reason = f"handshake with prefill {link.addr} failed: {e!r}"
         if isinstance(reply, Refused):

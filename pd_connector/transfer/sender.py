@@ -140,7 +140,7 @@ class Sender:
             hello = await conn.read_message(ctx.config.connect_timeout_s)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-        except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
             ctx.count(rejected_connections=1)
             logger.error("control: rejecting connection from %s: %r", conn.peer, e)
             return

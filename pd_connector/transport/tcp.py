@@ -424,7 +424,7 @@ class TcpTransport(Transport):
                 loop.sock_connect(sock, (desc.host, desc.port)), self.config.connect_timeout_s
             )
             await loop.sock_sendall(sock, encode_frame(Hello(PROTOCOL_VERSION, desc.token)))
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             sock.close()
             raise ConnectionError(
                 f"tcp transport: cannot reach {peer_id} at {desc.host}:{desc.port}: {exc}"
