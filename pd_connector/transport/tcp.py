@@ -22,12 +22,14 @@ import secrets
 import socket
 import struct
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion, Transport
 from .loop_thread import LoopThread
@@ -42,9 +44,13 @@ _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1024
 #: Receive buffer for headers and small payloads (bigger payloads are read straight into place).
 SCRATCH_BYTES = 256 << 10
-#: Small frames are gathered into one sendmsg of up to this many bytes / buffers.
+#: Frames are gathered into one sendmsg of up to this many bytes / buffers.
 BATCH_BYTES = 1 << 20
 BATCH_PARTS = 512
+#: Runs at least this long are sent as ``Put`` (read straight into place); shorter ones as ``PutBlocks``.
+DIRECT_MIN_BYTES = 256 << 10
+#: Payload of one ``PutBlocks`` frame.
+BLOCKS_FRAME_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,16 @@ class Put(msgspec.Struct, frozen=True, tag="put"):
     length: int
 
 
+class PutBlocks(msgspec.Struct, frozen=True, tag="blocks"):
+    """``count`` blocks of ``block_bytes`` into ``region``: the payload is ``count`` int32 destination block
+    indices followed by the blocks themselves. Small runs travel this way, one frame per ~4 MiB, gathered and
+    scattered by numpy, so a 4 KiB-block write is not thousands of frames."""
+
+    region: int
+    block_bytes: int
+    count: int
+
+
 class Flush(msgspec.Struct, frozen=True, tag="flush"):
     seq: int
 
@@ -94,7 +110,7 @@ class Ack(msgspec.Struct, frozen=True, tag="ack"):
     seq: int
 
 
-Frame = Hello | Put | Flush | Ack
+Frame = Hello | Put | PutBlocks | Flush | Ack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Frame)
 
@@ -125,7 +141,8 @@ class _Inbound(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._authenticated = False
-        self._payload: memoryview | None = None  # what remains to fill of the current Put
+        self._payload: memoryview | None = None  # what remains to fill of the current Put / PutBlocks
+        self._on_payload: Callable[[], None] | None = None  # run when that payload is complete
         self._direct = False  # the last get_buffer handed out the payload itself
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,15 +164,17 @@ class _Inbound(asyncio.BufferedProtocol):
         if self._direct:
             assert self._payload is not None
             self._payload = self._payload[nbytes:] if nbytes < len(self._payload) else None
+            if self._payload is None:
+                try:
+                    self._payload_done()
+                except FrameError as exc:
+                    self._drop(exc)
             return
         self._end += nbytes
         try:
             self._parse()
         except FrameError as exc:
-            self._owner.dropped_connections += 1
-            log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
-            assert self._transport is not None
-            self._transport.abort()
+            self._drop(exc)
 
     def _parse(self) -> None:
         """Consume every complete header and buffered payload byte in scratch."""
@@ -168,6 +187,7 @@ class _Inbound(asyncio.BufferedProtocol):
                 self._payload = self._payload[take:] if take < len(self._payload) else None
                 if self._payload is not None:
                     break
+                self._payload_done()
                 continue
             if self._end - self._start < _LEN.size:
                 break
@@ -186,6 +206,18 @@ class _Inbound(asyncio.BufferedProtocol):
         if self._start == self._end:
             self._start = self._end = 0
 
+    def _payload_done(self) -> None:
+        """Finish a completed payload (scatter a ``PutBlocks``); may raise ``FrameError``."""
+        if self._on_payload is not None:
+            done, self._on_payload = self._on_payload, None
+            done()
+
+    def _drop(self, exc: FrameError) -> None:
+        self._owner.dropped_connections += 1
+        log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
+        assert self._transport is not None
+        self._transport.abort()
+
     def _handle(self, frame: Frame) -> None:
         if not self._authenticated:
             if not isinstance(frame, Hello):
@@ -197,6 +229,8 @@ class _Inbound(asyncio.BufferedProtocol):
             self._authenticated = True
         elif isinstance(frame, Put):
             self._payload = self._owner.destination(frame)
+        elif isinstance(frame, PutBlocks):
+            self._payload, self._on_payload = self._owner.scatter(frame)
         elif isinstance(frame, Flush):
             assert self._transport is not None
             self._transport.write(encode_frame(Ack(frame.seq)))
@@ -214,7 +248,7 @@ class _Inbound(asyncio.BufferedProtocol):
 
 @dataclass
 class _Job:
-    spans: list[list[int]]  # (region, src offset, dst offset, bytes)
+    spans: npt.NDArray[np.int64]  # rows of (region, src offset, dst offset, bytes), see regions.plan
     nbytes: int
     future: Future[int]
 
@@ -263,14 +297,33 @@ class _Outbound:
             self.fail(ConnectionError(f"tcp transport: sending to {self.peer_id} failed: {exc}"))
 
     def _frames(self, job: _Job) -> Iterator[memoryview | bytes]:
-        """Header and payload view of every frame of ``job`` (spans cut at ``max_frame_bytes``)."""
+        """Header and payload parts of every frame of ``job``: long runs as ``Put`` (cut at
+        ``max_frame_bytes``), short ones gathered into ``PutBlocks`` frames."""
         limit = self._owner.config.max_frame_bytes
-        for region, src, dst, nbytes in job.spans:
+        for region in np.unique(job.spans[:, 0]).tolist():
+            rows = job.spans[job.spans[:, 0] == region]
             base = self._owner.local_view(region)
-            for start in range(0, nbytes, limit):
-                size = min(limit, nbytes - start)
-                yield encode_frame(Put(region, dst + start, size))
-                yield base[src + start : src + start + size]
+            for _, src, dst, nbytes in rows[rows[:, 3] >= DIRECT_MIN_BYTES].tolist():
+                for start in range(0, nbytes, limit):
+                    size = min(limit, nbytes - start)
+                    yield encode_frame(Put(region, dst + start, size))
+                    yield base[src + start : src + start + size]
+            small = rows[rows[:, 3] < DIRECT_MIN_BYTES]
+            if len(small):
+                yield from self._block_frames(region, small, base)
+
+    def _block_frames(self, region: int, rows: npt.NDArray[np.int64], base: memoryview) -> Iterator[bytes]:
+        block_bytes = self.remote[region].block_bytes
+        counts = rows[:, 3] // block_bytes
+        src = _expand(rows[:, 1] // block_bytes, counts)
+        dst = _expand(rows[:, 2] // block_bytes, counts).astype(np.int32)
+        blocks = np.frombuffer(base, dtype=np.uint8).reshape(-1, block_bytes)
+        per_frame = max(1, min(BLOCKS_FRAME_BYTES, self._owner.config.max_frame_bytes) // (4 + block_bytes))
+        for i in range(0, len(src), per_frame):
+            index = dst[i : i + per_frame]
+            yield encode_frame(PutBlocks(region, block_bytes, len(index)))
+            yield index.tobytes()
+            yield blocks[src[i : i + per_frame]].tobytes()
 
     async def _ack_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -288,11 +341,12 @@ class _Outbound:
         except (OSError, msgspec.DecodeError) as exc:
             self.fail(ConnectionError(f"tcp transport: connection to {self.peer_id} lost: {exc}"))
 
-    def fail(self, error: Exception) -> None:
-        """Fail every pending and queued write, close the socket (idempotent)."""
+    def fail(self, error: Exception, quiet: bool = False) -> None:
+        """Fail every pending and queued write, close the socket (idempotent; ``quiet`` for a detach)."""
         if self._error is None:
             self._error = error
-            log.warning("%s", error)
+            if not quiet:
+                log.warning("%s", error)
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -408,6 +462,26 @@ class TcpTransport(Transport):
             raise FrameError(f"put [{put.offset}, {put.offset + put.length}) outside region {put.region}")
         return view[put.offset : put.offset + put.length]
 
+    def scatter(self, frame: PutBlocks) -> tuple[memoryview, Callable[[], None]]:
+        """Receiver side: a staging buffer for a ``PutBlocks`` payload and the step that scatters it."""
+        view = self._views.get(frame.region)
+        region = self._regions.get(frame.region)
+        if view is None or region is None:
+            raise FrameError(f"blocks into unknown region {frame.region}")
+        size = frame.count * (4 + frame.block_bytes)
+        if frame.block_bytes != region.block_bytes or not 0 < size <= self.config.max_frame_bytes:
+            raise FrameError(f"blocks frame {frame} does not fit region {frame.region}")
+        staging = np.empty(size, dtype=np.uint8)
+        blocks = np.frombuffer(view, dtype=np.uint8).reshape(-1, region.block_bytes)
+
+        def place() -> None:
+            index = staging[: 4 * frame.count].view(np.int32)
+            if index.size and (index.min() < 0 or index.max() >= len(blocks)):
+                raise FrameError(f"block index out of range for region {frame.region}")
+            blocks[index] = staging[4 * frame.count :].reshape(frame.count, frame.block_bytes)
+
+        return staging.data, place
+
     def local_view(self, region: int) -> memoryview:
         return self._views[region]
 
@@ -445,12 +519,12 @@ class TcpTransport(Transport):
         if nbytes == 0:
             future.set_result(0)
             return
-        conn.post(_Job(spans.tolist(), nbytes, future))
+        conn.post(_Job(spans, nbytes, future))
 
     async def _detach(self, peer_id: str) -> None:
         conn = self._outbound.pop(peer_id, None)
         if conn is not None:
-            conn.fail(ConnectionError(f"tcp transport: peer {peer_id} detached"))
+            conn.fail(ConnectionError(f"tcp transport: peer {peer_id} detached"), quiet=True)
 
     async def _shutdown(self) -> None:
         for peer_id in list(self._outbound):
@@ -511,6 +585,12 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, si
             raise ConnectionResetError("peer closed the connection")
         got += n
     return bytes(buf)
+
+
+def _expand(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Runs (start, count) -> every index they cover, in order (vectorised)."""
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets
 
 
 def _fail(future: Future[int], error: Exception) -> None:

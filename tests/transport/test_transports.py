@@ -58,6 +58,21 @@ def test_random_block_maps_arrive_exactly(
     assert peer.digests() == peer.expected_digests()
 
 
+def test_long_and_short_runs_in_one_write_arrive_exactly(
+    pair: tuple[Transport, PeerProcess, np.ndarray],
+) -> None:
+    """Whole regions (256 KiB runs: read straight into place over TCP) next to single scattered blocks."""
+    sender, peer, src = pair
+    src[:] = np.random.default_rng(7).integers(0, 256, src.shape, dtype=np.uint8)
+    copies = [BlockCopy(0, 0, 0, BLOCKS), BlockCopy(1, 0, 0, BLOCKS)]
+    copies += [BlockCopy(2, s, BLOCKS - 1 - s) for s in range(0, BLOCKS, 3)]
+    assert sender.write("peer", copies).result(30) == (2 * BLOCKS + len(range(0, BLOCKS, 3))) * BLOCK_BYTES
+    peer.mirror[0], peer.mirror[1] = src[0], src[1]
+    for s in range(0, BLOCKS, 3):
+        peer.mirror[2, BLOCKS - 1 - s] = src[2, s]
+    assert peer.digests() == peer.expected_digests()
+
+
 def test_bad_requests_fail_the_future_and_write_nothing(
     pair: tuple[Transport, PeerProcess, np.ndarray],
 ) -> None:
