@@ -268,11 +268,16 @@ class UcxTransport(Transport):
         still: list[_Pending] = []
         for item in self._pending:
             if item.future.done():  # failed by detach/close; keep polling only to free the request
-                if (
-                    item.request is not None
-                    and self._poster.request_status(item.request) == ucp_ffi.UCS_INPROGRESS
-                ):
+                if item.request is None:
+                    continue
+                if self._poster.request_status(item.request) != ucp_ffi.UCS_INPROGRESS:
+                    continue
+                if now < item.deadline + self.config.write_timeout_s:
                     still.append(item)
+                else:  # UCX never completed it (a peer that vanished without error handling): give up on it
+                    log.warning(
+                        "ucx transport: abandoning a flush request to %s that never completed", item.peer_id
+                    )
                 continue
             status = ucp_ffi.UCS_OK if item.request is None else self._poster.request_status(item.request)
             if status == ucp_ffi.UCS_OK:
@@ -299,11 +304,20 @@ class UcxTransport(Transport):
         self._pending = still
 
     def _map(self, regions: Sequence[MemoryRegion]) -> None:
+        """Map every region (all or nothing: a failure unmaps what this call mapped)."""
         ctx = self._context.handle
-        for region in regions:
-            memh = ucp_ffi.mem_map(ctx, region.address, region.length)
-            self._memh[region.region_id] = memh
-            self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
+        mapped: list[int] = []
+        try:
+            for region in regions:
+                memh = ucp_ffi.mem_map(ctx, region.address, region.length)
+                self._memh[region.region_id] = memh
+                mapped.append(region.region_id)
+                self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
+        except ucp_ffi.UcpError:
+            for region_id in mapped:
+                self._rkeys_packed.pop(region_id, None)
+                ucp_ffi.mem_unmap(ctx, self._memh.pop(region_id))
+            raise
 
     def _connect(self, peer_id: str, desc: UcxDescriptor) -> None:
         self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} re-attached"), quiet=True)

@@ -73,6 +73,15 @@ def test_long_and_short_runs_in_one_write_arrive_exactly(
     assert peer.digests() == peer.expected_digests()
 
 
+def test_an_idle_connection_does_not_spin(pair: tuple[Transport, PeerProcess, np.ndarray]) -> None:
+    """Both ends of an attached, idle pair use well under 2 % of a core (CPU time, not wall time)."""
+    _, peer, _ = pair
+    start_self, start_peer = time.process_time(), peer.cpu_seconds()
+    time.sleep(1.0)
+    used = time.process_time() - start_self + peer.cpu_seconds() - start_peer
+    assert used < 0.02, f"idle pair used {100 * used:.1f} % of a core"
+
+
 def test_bad_requests_fail_the_future_and_write_nothing(
     pair: tuple[Transport, PeerProcess, np.ndarray],
 ) -> None:
