@@ -9,7 +9,8 @@ receiver has stored everything before it (TCP keeps order), which resolves the w
 Frame: 4-byte big-endian header length, a msgspec-msgpack header, then ``Put.length`` raw payload bytes.
 The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
 unknown region, an out-of-range span or an oversized frame drops that connection (logged) and leaves the
-others alone. All socket work runs on the transport's own I/O thread (``LoopThread``).
+others alone. All socket work runs on the transport's own I/O thread (``LoopThread``); write futures resolve
+there, so their done-callbacks must be quick and non-blocking (``detach`` from one is scheduled, not awaited).
 """
 
 from __future__ import annotations
@@ -411,10 +412,14 @@ class TcpTransport(Transport):
         return future
 
     def detach(self, peer_id: str) -> None:
-        if self._io.running:
+        if self._io.on_loop_thread():  # from a write future's done-callback, which runs on the I/O thread
+            self._io.loop.create_task(self._detach(peer_id))
+        elif self._io.running:
             self._io.submit(self._detach(peer_id)).result(self.config.connect_timeout_s)
 
     def close(self) -> None:
+        if self._io.on_loop_thread():
+            raise RuntimeError("close() must not be called from the transport's own I/O thread")
         if self._io.running:
             with contextlib.suppress(Exception):
                 self._io.submit(self._shutdown()).result(self.config.connect_timeout_s)
@@ -509,7 +514,7 @@ class TcpTransport(Transport):
     def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
         conn = self._outbound.get(peer_id)
         if conn is None:
-            _fail(future, KeyError(f"peer {peer_id!r} is not attached"))
+            _fail(future, ConnectionError(f"tcp transport: peer {peer_id!r} is not attached"))
             return
         try:
             spans, nbytes = plan(copies, self._regions, conn.remote)

@@ -13,6 +13,9 @@ Why this shape:
 - A write that is not flushed within ``write_timeout_s`` (peer dead, link gone) fails its future with
   ``TimeoutError`` and the peer's endpoint is dropped: futures never hang. ``detach`` fails them at once.
 
+Write futures resolve on the I/O thread: done-callbacks must be quick and must not block (hand the work to
+your own loop, as the transfer engine does); ``detach`` from such a callback runs inline.
+
 The RMA calls ``ucxx`` does not expose (mem_map, rkeys, put, flush) come from ``ucp_ffi``.
 """
 
@@ -186,6 +189,8 @@ class UcxTransport(Transport):
             self._call(lambda: self._drop(peer_id, error, quiet=True)).result(self.config.call_timeout_s)
 
     def close(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("close() must not be called from the transport's own I/O thread")
         if not self._thread.is_alive():
             return
         try:
@@ -213,7 +218,14 @@ class UcxTransport(Transport):
         self._wake()
 
     def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
         future: Future[Any] = Future()
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
 
         def run() -> None:
             try:
@@ -350,7 +362,11 @@ class UcxTransport(Transport):
             self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
         peer = self._peers.get(peer_id)
         if peer is None:
-            _fail(future, self._broken.get(peer_id) or KeyError(f"peer {peer_id!r} is not attached"))
+            _fail(
+                future,
+                self._broken.get(peer_id)
+                or ConnectionError(f"ucx transport: peer {peer_id!r} is not attached"),
+            )
             return
         try:
             spans, nbytes = plan(copies, self._regions, peer.remote)
