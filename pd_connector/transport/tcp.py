@@ -1,13 +1,11 @@
 """Dependency-free data plane over plain TCP (asyncio): the fallback when ``ucxx`` is absent or configured.
 
 Receiver (D) side: ``register`` starts a listener on the configured host/port; every accepted connection is
-a ``_Inbound`` ``BufferedProtocol`` that reads each payload straight into the registered memory (no
-intermediate copy). Sender (P) side: ``attach`` opens one connection per peer; ``write`` coalesces block
-copies into spans and sends each as one frame; a ``Flush`` after the spans is answered by an ``Ack`` once the
-receiver has stored everything before it (TCP keeps order), which resolves the write future.
-
-Frame: 4-byte big-endian header length, a msgspec-msgpack header, then ``Put.length`` raw payload bytes.
-The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
+a ``_Inbound`` ``BufferedProtocol``. Sender (P) side: ``attach`` opens one connection per peer; ``write``
+coalesces block copies into runs and sends long runs as ``Put`` frames (read straight into the registered
+memory, no intermediate copy) and short ones gathered into ``PutBlocks`` frames (scattered by numpy); a
+``Flush`` after them is answered by an ``Ack`` once the receiver has stored everything before it (TCP keeps
+order), which resolves the write future. Wire format: ``tcp_wire``. The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
 unknown region, an out-of-range span or an oversized frame drops that connection (logged) and leaves the
 others alone. All socket work runs on the transport's own I/O thread (``LoopThread``); write futures resolve
 there, so their done-callbacks must be quick and non-blocking (``detach`` from one is scheduled, not awaited).
@@ -21,7 +19,6 @@ import hmac
 import logging
 import secrets
 import socket
-import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -35,14 +32,25 @@ import numpy.typing as npt
 from .base import BlockCopy, MemoryRegion, Transport
 from .loop_thread import LoopThread
 from .regions import RegionInfo, RegionTable, host_view, plan
+from .tcp_wire import (
+    LENGTH,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Flush,
+    Frame,
+    FrameError,
+    Hello,
+    Put,
+    PutBlocks,
+    TcpDescriptor,
+    decoder,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PROTOCOL_VERSION = 1
-_LEN = struct.Struct("!I")
-#: Headers are a few dozen bytes; anything larger is garbage.
-MAX_HEADER_BYTES = 1024
 #: Receive buffer for headers and small payloads (bigger payloads are read straight into place).
 SCRATCH_BYTES = 256 << 10
 #: Frames are gathered into one sendmsg of up to this many bytes / buffers.
@@ -68,62 +76,8 @@ class TcpConfig:
     max_frame_bytes: int = 64 << 20
     #: Seconds ``attach`` may take to connect and say hello.
     connect_timeout_s: float = 10.0
-    #: SO_SNDBUF / SO_RCVBUF in bytes (0 keeps the kernel default).
+    #: SO_SNDBUF of data connections in bytes (0 keeps the kernel default).
     socket_buffer_bytes: int = 4 << 20
-
-
-class TcpDescriptor(msgspec.Struct, frozen=True):
-    """What ``register`` publishes: where to connect, the token to present, and the region table."""
-
-    version: int
-    host: str
-    port: int
-    token: bytes
-    regions: list[RegionInfo]
-
-
-class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    version: int
-    token: bytes
-
-
-class Put(msgspec.Struct, frozen=True, tag="put"):
-    region: int
-    offset: int
-    length: int
-
-
-class PutBlocks(msgspec.Struct, frozen=True, tag="blocks"):
-    """``count`` blocks of ``block_bytes`` into ``region``: the payload is ``count`` int32 destination block
-    indices followed by the blocks themselves. Small runs travel this way, one frame per ~4 MiB, gathered and
-    scattered by numpy, so a 4 KiB-block write is not thousands of frames."""
-
-    region: int
-    block_bytes: int
-    count: int
-
-
-class Flush(msgspec.Struct, frozen=True, tag="flush"):
-    seq: int
-
-
-class Ack(msgspec.Struct, frozen=True, tag="ack"):
-    seq: int
-
-
-Frame = Hello | Put | PutBlocks | Flush | Ack
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Frame)
-
-
-def encode_frame(frame: Frame) -> bytes:
-    """Length-prefixed header (the payload of a ``Put`` follows it on the wire)."""
-    header = _encoder.encode(frame)
-    return _LEN.pack(len(header)) + header
-
-
-class FrameError(Exception):
-    """A peer sent something that is not our protocol (the connection is dropped)."""
 
 
 class _Inbound(asyncio.BufferedProtocol):
@@ -190,17 +144,17 @@ class _Inbound(asyncio.BufferedProtocol):
                     break
                 self._payload_done()
                 continue
-            if self._end - self._start < _LEN.size:
+            if self._end - self._start < LENGTH.size:
                 break
-            (size,) = _LEN.unpack(buf[self._start : self._start + _LEN.size])
+            (size,) = LENGTH.unpack(buf[self._start : self._start + LENGTH.size])
             if not 0 < size <= MAX_HEADER_BYTES:
                 raise FrameError(f"header length {size} out of range")
-            if self._end - self._start < _LEN.size + size:
+            if self._end - self._start < LENGTH.size + size:
                 break
-            header = buf[self._start + _LEN.size : self._start + _LEN.size + size]
-            self._start += _LEN.size + size
+            header = buf[self._start + LENGTH.size : self._start + LENGTH.size + size]
+            self._start += LENGTH.size + size
             try:
-                frame = _decoder.decode(header)
+                frame = decoder.decode(header)
             except msgspec.DecodeError as exc:
                 raise FrameError(f"undecodable header ({exc})") from None
             self._handle(frame)
@@ -317,7 +271,7 @@ class _Outbound:
         block_bytes = self.remote[region].block_bytes
         counts = rows[:, 3] // block_bytes
         src = _expand(rows[:, 1] // block_bytes, counts)
-        dst = _expand(rows[:, 2] // block_bytes, counts).astype(np.int32)
+        dst = _expand(rows[:, 2] // block_bytes, counts).astype("<i4")
         blocks = np.frombuffer(base, dtype=np.uint8).reshape(-1, block_bytes)
         per_frame = max(1, min(BLOCKS_FRAME_BYTES, self._owner.config.max_frame_bytes) // (4 + block_bytes))
         for i in range(0, len(src), per_frame):
@@ -330,10 +284,10 @@ class _Outbound:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                size = _LEN.unpack(await _recv_exactly(loop, self._sock, _LEN.size))[0]
+                size = LENGTH.unpack(await _recv_exactly(loop, self._sock, LENGTH.size))[0]
                 if not 0 < size <= MAX_HEADER_BYTES:
                     raise ConnectionError(f"bad ack length {size}")
-                frame = _decoder.decode(await _recv_exactly(loop, self._sock, size))
+                frame = decoder.decode(await _recv_exactly(loop, self._sock, size))
                 if not isinstance(frame, Ack) or not self._pending or self._pending[0][0] != frame.seq:
                     raise ConnectionError(f"unexpected reply {frame!r}")
                 _, job = self._pending.popleft()
@@ -480,7 +434,7 @@ class TcpTransport(Transport):
         blocks = np.frombuffer(view, dtype=np.uint8).reshape(-1, region.block_bytes)
 
         def place() -> None:
-            index = staging[: 4 * frame.count].view(np.int32)
+            index = staging[: 4 * frame.count].view("<i4")
             if index.size and (index.min() < 0 or index.max() >= len(blocks)):
                 raise FrameError(f"block index out of range for region {frame.region}")
             blocks[index] = staging[4 * frame.count :].reshape(frame.count, frame.block_bytes)

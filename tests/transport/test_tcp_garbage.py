@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion
-from pd_connector.transport.tcp import PROTOCOL_VERSION, Hello, Put, PutBlocks, TcpTransport, encode_frame
+from pd_connector.transport.tcp import TcpTransport
+from pd_connector.transport.tcp_wire import PROTOCOL_VERSION, Hello, Put, PutBlocks, encode_frame
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +37,7 @@ ATTACKS: dict[str, bytes | Callable[[bytes], bytes]] = {
     "block index out of range": lambda token: (
         _hello(token)
         + encode_frame(PutBlocks(0, BLOCK_BYTES, 1))
-        + struct.pack("=i", BLOCKS)
+        + struct.pack("<i", BLOCKS)
         + b"\1" * BLOCK_BYTES
     ),
 }
