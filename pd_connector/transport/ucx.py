@@ -138,6 +138,8 @@ class UcxTransport(Transport):
         self._epoll = select.epoll()
         self._epoll.register(self._wake_fd, select.EPOLLIN)
         self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self._submit_lock = threading.Lock()
+        self._closing = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
         self._thread.start()
@@ -193,8 +195,10 @@ class UcxTransport(Transport):
             raise RuntimeError("close() must not be called from the transport's own I/O thread")
         if not self._thread.is_alive():
             return
+        with self._submit_lock:  # from now on new work is refused; what is queued runs before the shutdown
+            self._closing = True
         try:
-            self._call(self._shutdown).result(self.config.call_timeout_s)
+            self._call(self._shutdown, accept_while_closing=True).result(self.config.call_timeout_s)
         finally:
             self._stopping = True
             self._wake()
@@ -211,13 +215,14 @@ class UcxTransport(Transport):
         return sorted(self._memh)
 
     # -- hand-over to the I/O thread -------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None]) -> None:
-        if self._stopping or not self._thread.is_alive():
-            raise RuntimeError("ucx transport is closed")
-        self._inbox.put(fn)
+    def _submit(self, fn: Callable[[], None], accept_while_closing: bool = False) -> None:
+        with self._submit_lock:
+            if (self._closing and not accept_while_closing) or not self._thread.is_alive():
+                raise RuntimeError("ucx transport is closed")
+            self._inbox.put(fn)
         self._wake()
 
-    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+    def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
         """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
         future: Future[Any] = Future()
         if threading.current_thread() is self._thread:
@@ -234,7 +239,7 @@ class UcxTransport(Transport):
                 future.set_exception(exc)
 
         try:
-            self._submit(run)
+            self._submit(run, accept_while_closing)
         except RuntimeError as exc:
             future.set_exception(exc)
         return future
