@@ -7,12 +7,14 @@ servers the same way. Returns ``ManagedServer`` objects; starting and stopping i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pd_disagg.servers import ManagedServer, free_port
+from pd_disagg.sglang_cpu import STAND_INS_DIR
 
 # Settings every vLLM CPU server in this project uses: eager mode and a block size that CPU attention accepts
 # (multiple of 32). Tests use float32, which makes vLLM's greedy tokens equal to transformers' exactly.
@@ -74,6 +76,99 @@ def vllm_server(
     }
     if cpu_core is not None:
         server_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    server_env.update(env or {})
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        env=server_env,
+    )
+
+
+# SGLang runs from its own virtualenv (`make sglang-env`): it pins torch and transformers versions that differ
+# from vLLM's. ``PD_SGLANG_PYTHON`` overrides the interpreter (e.g. a worktree using another checkout's venv).
+SGLANG_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
+# Settings every SGLang CPU server in this project uses (docs/sglang.md explains each).
+SGLANG_CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-overlap-schedule",
+    "--random-seed",
+    "0",
+)
+
+
+def sglang_python() -> str:
+    """The interpreter of the SGLang virtualenv (``PD_SGLANG_PYTHON`` or the repo's ``.venv-sglang``)."""
+    return os.environ.get("PD_SGLANG_PYTHON") or str(SGLANG_VENV_PYTHON)
+
+
+def sglang_server(
+    model: str | Path,
+    *,
+    log_dir: Path,
+    name: str = "sglang",
+    port: int | None = None,
+    cpu_core: int | str | None = None,
+    max_total_tokens: int = 4096,
+    context_length: int = 1024,
+    dtype: str = "bfloat16",
+    disaggregation_mode: str | None = None,
+    transfer_backend: str = "pd",
+    bootstrap_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> ManagedServer:
+    """An SGLang server on ``127.0.0.1:port`` (not yet started), run on CPU as docs/sglang.md describes.
+
+    ``disaggregation_mode`` is ``None`` (aggregated), ``"prefill"`` or ``"decode"``; P/D servers use
+    ``transfer_backend`` and a prefill server's bootstrap server listens on ``bootstrap_port``. Decode servers
+    back retracted requests up in CPU tensors (the default pins host memory through CUDA). ``cpu_core``
+    pins SGLang's OpenMP threads (``SGLANG_CPU_OMP_THREADS_BIND``).
+    """
+    port = port or free_port()
+    argv = [
+        sglang_python(),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--context-length",
+        str(context_length),
+        "--max-total-tokens",
+        str(max_total_tokens),
+        *SGLANG_CPU_ARGS,
+    ]
+    if disaggregation_mode is not None:
+        argv += [
+            "--disaggregation-mode",
+            disaggregation_mode,
+            "--disaggregation-transfer-backend",
+            transfer_backend,
+        ]
+        if bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if disaggregation_mode == "decode":
+            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    argv += list(extra_args)
+    server_env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(STAND_INS_DIR), os.environ.get("PYTHONPATH")])),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        **UCX_TEST_ENV,
+    }
+    if cpu_core is not None:
+        server_env["SGLANG_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     server_env.update(env or {})
     return ManagedServer(
         name=name,
