@@ -17,7 +17,9 @@ class SGLangBackendConfig:
     """``transport``: ``tcp`` (default), ``ucx`` or ``auto``. ``lease_s``: how long P keeps a request's
     pages for a decode side that has not asked for them, or that stopped acknowledging. Heartbeats on the
     control connection detect a dead peer within ``heartbeat_timeout_s``. ``secret``: shared HMAC key for the
-    control plane (unset: no authentication). ``connect_timeout_s``: D's connect + handshake with P."""
+    control plane (unset: no authentication). ``connect_timeout_s``: D's connect + handshake with P.
+    ``drop_kv_rooms``: fault injection for tests (negative control): for these bootstrap rooms P writes only
+    layer 0 of the KV, so D decodes the other layers from whatever its pages held. Empty in real use."""
 
     transport: str = "tcp"
     lease_s: float = 60.0
@@ -26,6 +28,7 @@ class SGLangBackendConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     secret: bytes | None = None
+    drop_kv_rooms: frozenset[int] = frozenset()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SGLangBackendConfig:
@@ -49,6 +52,11 @@ class SGLangBackendConfig:
         if transport not in ("tcp", "ucx", "auto"):
             raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx or auto")
         secret = env.get("PD_SGLANG_SECRET")
+        drop = env.get("PD_SGLANG_FAULT_DROP_KV_ROOMS", "")
+        try:
+            drop_kv_rooms = frozenset(int(r) for r in drop.split(",") if r.strip())
+        except ValueError:
+            raise ValueError(f"PD_SGLANG_FAULT_DROP_KV_ROOMS={drop!r} is not a comma-separated list of rooms") from None
         return cls(
             transport=transport,
             lease_s=number("PD_SGLANG_LEASE_S", defaults.lease_s),
@@ -57,4 +65,5 @@ class SGLangBackendConfig:
             heartbeat_interval_s=number("PD_SGLANG_HEARTBEAT_INTERVAL_S", defaults.heartbeat_interval_s),
             heartbeat_timeout_s=number("PD_SGLANG_HEARTBEAT_TIMEOUT_S", defaults.heartbeat_timeout_s),
             secret=secret.encode() if secret else None,
+            drop_kv_rooms=drop_kv_rooms,
         )
