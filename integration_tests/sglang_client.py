@@ -42,7 +42,9 @@ def new_room() -> int:
     return random.getrandbits(63)
 
 
-def body(prompt: str, max_new_tokens: int, bootstrap: tuple[str, int] | None, room: int | None) -> dict[str, Any]:
+def body(
+    prompt: str, max_new_tokens: int, bootstrap: tuple[str, int] | None, room: int | None
+) -> dict[str, Any]:
     """A greedy ``/generate`` body; with ``bootstrap`` it is a PD request for ``room``."""
     out: dict[str, Any] = {
         "text": prompt,

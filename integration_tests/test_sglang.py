@@ -65,7 +65,9 @@ def reference(tiny_model: Path, log_dir: Path) -> dict[str, Reply]:
 
 
 @pytest.fixture(scope="module")
-def pd_pair(reference, tiny_model: Path, log_dir: Path, start_servers) -> tuple[ManagedServer, ManagedServer, int]:
+def pd_pair(
+    reference, tiny_model: Path, log_dir: Path, start_servers
+) -> tuple[ManagedServer, ManagedServer, int]:
     """P (core 0) and D (core 1) with the pd backend; returns ``(P, D, bootstrap_port)``."""
     bootstrap_port = free_port()
     prefill = sglang_server(

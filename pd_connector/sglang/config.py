@@ -56,7 +56,9 @@ class SGLangBackendConfig:
         try:
             drop_kv_rooms = frozenset(int(r) for r in drop.split(",") if r.strip())
         except ValueError:
-            raise ValueError(f"PD_SGLANG_FAULT_DROP_KV_ROOMS={drop!r} is not a comma-separated list of rooms") from None
+            raise ValueError(
+                f"PD_SGLANG_FAULT_DROP_KV_ROOMS={drop!r} is not a comma-separated list of rooms"
+            ) from None
         return cls(
             transport=transport,
             lease_s=number("PD_SGLANG_LEASE_S", defaults.lease_s),

@@ -90,7 +90,9 @@ class PdKVManager(CommonKVManager):
         if getattr(server_args, "disaggregation_enable_kv_checksum", False):
             raise UnsupportedPool("--disaggregation-enable-kv-checksum is not supported by the pd backend")
         self.pd_config = SGLangBackendConfig.from_env()
-        dtype = resolve_dtype(getattr(server_args, "kv_cache_dtype", None), getattr(server_args, "dtype", None))
+        dtype = resolve_dtype(
+            getattr(server_args, "kv_cache_dtype", None), getattr(server_args, "dtype", None)
+        )
         self.pd_layout, self._pd_buffers = describe_pool(args, dtype, _rank_kv_heads(args, server_args))
         self._pd_engine: TransferEngine | None = None
         self._pd_lock = threading.Lock()
@@ -329,6 +331,7 @@ class PdKVReceiver(CommonKVReceiver):
     """D side of one request: bootstrap lookup (Common), then ``send_metadata`` asks P for the KV."""
 
     kv_mgr: PdKVManager
+    conclude_state: int | None  # a KVPoll value once concluded (set by CommonKVReceiver)
 
     def _register_kv_args(self) -> bool:
         # The transfer engine's handshake carries D's layout and memory; nothing to send over zmq.

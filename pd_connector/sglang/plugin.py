@@ -103,7 +103,10 @@ def register() -> None:
         logger.error("pd_connector: %s", reason)
         return
     try:
-        from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+        from sglang.srt.arg_groups.choices import (
+            DISAGG_TRANSFER_BACKEND_CHOICES,
+            add_disagg_transfer_backend_choices,
+        )
         from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
