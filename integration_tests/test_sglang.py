@@ -2,7 +2,8 @@
 
 First an aggregated SGLang server answers the prompts alone (the reference), then a prefill server (P) and
 a decode server (D) with ``--disaggregation-transfer-backend pd`` replace it (never more than two SGLang
-servers at once). Checks: identical greedy output, also for a prompt P prefills in several chunks; a
+servers at once). Checks: identical greedy output, also for a prompt P prefills in several chunks and
+through SGLang's own router (``sglang-router``); a
 negative control (P writes only layer 0 of one room's KV: D's output changes after the first token); and the failure
 paths end within their timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers
 run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked page or request slot crashes the
@@ -27,7 +28,7 @@ from integration_tests.sglang_client import (
     post,
     stream_then_disconnect,
 )
-from pd_disagg.engines import base_url, sglang_server
+from pd_disagg.engines import base_url, sglang_router, sglang_server
 from pd_disagg.servers import ManagedServer, free_port, running
 
 PROMPTS = [
@@ -214,6 +215,20 @@ def test_client_abort_frees_memory(pd_pair, reference):
     assert_drained(prefill)
     _, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), PROMPTS[0], MAX_NEW_TOKENS)
     assert d.output_ids == reference[PROMPTS[0]].output_ids
+
+
+def test_through_sglang_router_output_equals_aggregated(pd_pair, reference, log_dir):
+    """SGLang's own PD router (sglang-router 0.3.2) in front of the pd backend: it adds the bootstrap
+    fields and sends both legs; the answer equals the aggregated server's."""
+    prefill, decode, port = pd_pair
+    router = sglang_router([(base_url(prefill), port)], [base_url(decode)], log_dir=log_dir)
+    with running(router, timeout_s=60):
+        for prompt in (PROMPTS[0], LONG_PROMPT):
+            reply = generate(base_url(router), prompt, MAX_NEW_TOKENS)
+            assert reply.ok, reply
+            assert reply.output_ids == reference[prompt].output_ids, (prompt, reply.body)
+    assert_drained(prefill)
+    assert_drained(decode)
 
 
 def test_prefill_death_fails_decode_within_heartbeat_timeout(pd_pair):

@@ -179,6 +179,48 @@ def sglang_server(
     )
 
 
+def sglang_router(
+    prefill: Sequence[tuple[str, int]],
+    decode: Sequence[str],
+    *,
+    log_dir: Path,
+    name: str = "sglang-router",
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> ManagedServer:
+    """SGLang's own PD router (``sglang-router``, from the SGLang venv) on ``127.0.0.1:port`` (not started).
+
+    ``prefill``: ``(base_url, bootstrap_port)`` per prefill server; ``decode``: base URLs of decode servers.
+    """
+    port = port or free_port()
+    argv = [
+        sglang_python(),
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # Its metrics listener defaults to a fixed port: pick a free one so routers can run side by side.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    for url, bootstrap_port in prefill:
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += list(extra_args)
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+
+
 def base_url(server: ManagedServer) -> str:
     """``http://host:port`` of a server built by this module (derived from its health URL)."""
     return server.health_url.rsplit("/", 1)[0]
