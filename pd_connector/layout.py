@@ -161,16 +161,12 @@ class BlockMapping:
     prefill: KVLayout
     decode: KVLayout
 
-    def copies(
-        self,
-        layer: int,
-        src_blocks: Sequence[int],
-        dst_blocks: Sequence[int],
-        start_token: int,
-        end_token: int,
-    ) -> list[BlockCopy]:
-        """Granule copies moving tokens ``[start_token, end_token)`` of ``layer`` (every buffer of it).
+    def runs(
+        self, src_blocks: Sequence[int], dst_blocks: Sequence[int], start_token: int, end_token: int
+    ) -> list[tuple[int, int, int]]:
+        """Coalesced ``(src granule, dst granule, granules)`` runs moving tokens ``[start_token, end_token)``.
 
+        The same runs serve every layer (only the region differs), so callers compute them once per range.
         Heads-major layouts copy whole blocks, so the range is widened to block boundaries. Raises
         ``ValueError`` when a table is too short for the range.
         """
@@ -189,10 +185,29 @@ class BlockMapping:
             nxt = min(end, (t // ps + 1) * ps, (t // ds + 1) * ds)
             src = (src_blocks[t // ps] * ps + t % ps) // g
             dst = (dst_blocks[t // ds] * ds + t % ds) // g
-            runs.append((src, dst, (nxt - t) // g))
+            n = (nxt - t) // g
+            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+            else:
+                runs.append((src, dst, n))
             t = nxt
+        return runs
+
+    def layer_copies(self, layer: int, runs: Sequence[tuple[int, int, int]]) -> list[BlockCopy]:
+        """The transport copies of ``runs`` for every buffer (K and V when split) of ``layer``."""
         return [
             BlockCopy(self.prefill.region_id(layer, kv), src, dst, n)
             for kv in range(self.prefill.buffers_per_layer)
             for src, dst, n in runs
         ]
+
+    def copies(
+        self,
+        layer: int,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        start_token: int,
+        end_token: int,
+    ) -> list[BlockCopy]:
+        """Granule copies moving tokens ``[start_token, end_token)`` of ``layer`` (every buffer of it)."""
+        return self.layer_copies(layer, self.runs(src_blocks, dst_blocks, start_token, end_token))

@@ -7,8 +7,7 @@ peer can at worst send a malformed frame, which is rejected. The conversation on
     P -> D  HelloAck | Refused(reason naming what differs; the connection is then closed)
     D -> P  Destinations(transfer id, D block ids, tokens wanted, lease)      (any number, any time)
     P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
-    P -> D  Done(transfer id, tokens, first token)                        (after every write landed)
-    D -> P  Ack(transfer id)                                              (P may release its blocks)
+    P -> D  Done(transfer id, tokens, first token)      (after every write landed; P's blocks are free then)
     either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
     either  Heartbeat every ``heartbeat_interval_s``: silence longer than the heartbeat timeout = dead peer
 
@@ -70,8 +69,9 @@ class Destinations(msgspec.Struct, tag="destinations"):
     """Where P should write transfer ``transfer_id``: D's block ids in token order.
 
     ``block_ids`` applies to every layer; ``layer_block_ids`` (one list per layer) overrides it for caches
-    whose layers have different block tables. ``num_tokens``: prompt tokens D wants (P writes at most
-    these). ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
+    whose layers have different block tables. P writes tokens ``[start_token, num_tokens)``: D already holds
+    the first ``start_token`` (a local prefix-cache hit, block-aligned) and the tables still start at token 0.
+    ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
     """
 
     transfer_id: str
@@ -79,6 +79,7 @@ class Destinations(msgspec.Struct, tag="destinations"):
     lease_s: float
     block_ids: list[int] = []
     layer_block_ids: list[list[int]] | None = None
+    start_token: int = 0
 
 
 class LayerDone(msgspec.Struct, tag="layer_done"):
@@ -110,7 +111,7 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 class Ack(msgspec.Struct, tag="ack"):
-    """Acknowledges ``Done`` (D -> P) or ``Abort`` (either way): the sender of Ack is finished with it."""
+    """Answers ``Abort``: the sender of Ack will not touch the transfer's blocks again."""
 
     transfer_id: str
 

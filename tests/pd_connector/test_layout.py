@@ -101,3 +101,9 @@ def test_heads_major_range_widens_to_whole_blocks() -> None:
     assert m.copies(0, [9, 4], [1, 2], start_token=40, end_token=50) == [BlockCopy(0, 4, 2, 1)]
     with pytest.raises(ValueError, match="exceed the block tables"):
         m.copies(0, [9], [1, 2], start_token=0, end_token=40)
+
+
+def test_runs_coalesce_when_both_sides_continue() -> None:
+    m = BlockMapping(SGL, SGL)  # 1-token blocks: every token is its own block
+    assert m.runs([4, 5, 6, 9], [10, 11, 12, 13], 0, 4) == [(4, 10, 3), (9, 13, 1)]
+    assert m.layer_copies(2, [(4, 10, 3)]) == [BlockCopy(4, 4, 10, 3), BlockCopy(5, 4, 10, 3)]
