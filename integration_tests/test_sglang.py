@@ -223,7 +223,17 @@ def test_through_sglang_router_output_equals_aggregated(pd_pair, reference, log_
     prefill, decode, port = pd_pair
     router = sglang_router([(base_url(prefill), port)], [base_url(decode)], log_dir=log_dir)
     with running(router, timeout_s=60):
-        for prompt in (PROMPTS[0], LONG_PROMPT):
+        # The router is healthy before it has checked and added its workers (in the background): wait for
+        # its first answer that is not "no worker available".
+        deadline = time.monotonic() + 90
+        while True:
+            first = generate(base_url(router), PROMPTS[0], MAX_NEW_TOKENS)
+            if first.status != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert first.ok, first
+        assert first.output_ids == reference[PROMPTS[0]].output_ids, first.body
+        for prompt in (PROMPTS[1], LONG_PROMPT):
             reply = generate(base_url(router), prompt, MAX_NEW_TOKENS)
             assert reply.ok, reply
             assert reply.output_ids == reference[prompt].output_ids, (prompt, reply.body)
