@@ -96,6 +96,9 @@ def pd_pair(
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
             "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
             "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+            # SGLang's default, explicit because the failure tests rely on it: hold the pages of a failed or
+            # aborted transfer until the backend says P can no longer write them.
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
         },
     )
     start_servers(prefill, decode)

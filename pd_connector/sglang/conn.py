@@ -76,7 +76,14 @@ def _rank_kv_heads(args: KVArgs, server_args: ServerArgs) -> int:
 
 
 class PdKVManager(CommonKVManager):
-    """Per scheduler process: owns the transfer engine and maps its results onto SGLang's room states."""
+    """Per scheduler process: owns the transfer engine and maps its results onto SGLang's room states.
+
+    With ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1`` D holds the pages of a failed or aborted
+    request until ``is_abort_release_safe``: the engine reported the transfer, which it does only once P
+    acknowledged the abort (or the connection was closed), so no late write can land in reused pages.
+    """
+
+    supports_deferred_decode_kv_release = True
 
     def __init__(
         self,
@@ -98,6 +105,7 @@ class PdKVManager(CommonKVManager):
         self._pd_lock = threading.Lock()
         self._pd_pages: dict[int, list[int]] = {}  # P: room -> pages offered so far
         self._pd_aux: dict[int, int] = {}  # D: room -> metadata row to fill on success
+        self._pd_live_recvs: set[int] = set()  # D: rooms whose transfer the engine has not reported yet
         self._pd_stop = threading.Event()
         # CommonKVManager.__init__ calls register_to_bootstrap() on P, which starts the engine's listener.
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -201,8 +209,9 @@ class PdKVManager(CommonKVManager):
             pages = [int(p) for p in kv_indices]
             if not pages:
                 raise ValueError("no destination pages")
-            if aux_index is not None:
-                with self._pd_lock:
+            with self._pd_lock:
+                self._pd_live_recvs.add(room)
+                if aux_index is not None:
                     self._pd_aux[room] = aux_index
             self.pd_engine.expect(
                 _transfer_id(room),
@@ -214,6 +223,8 @@ class PdKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Transferring)
         except Exception as e:  # never raise into the scheduler
             logger.exception("pd backend: expect for room %s failed", room)
+            with self._pd_lock:
+                self._pd_live_recvs.discard(room)
             self.fail_room(room, f"pd backend could not request the KV: {e}")
 
     # ---- both sides ------------------------------------------------------------------------------------------
@@ -262,6 +273,8 @@ class PdKVManager(CommonKVManager):
         with self._pd_lock:
             self._pd_pages.pop(room, None)
             aux_index = self._pd_aux.pop(room, None)
+            if result.role == "recv":
+                self._pd_live_recvs.discard(room)
         if room not in self.request_status:
             return  # SGLang already cleared the request
         if result.state is TransferState.DONE:
@@ -275,6 +288,11 @@ class PdKVManager(CommonKVManager):
             self.record_failure(room, f"pd transfer {result.state.value}: {result.reason}")
             self.update_status(room, KVPoll.Failed)
 
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """D: the pages of a failed/aborted room may be reused once the engine reported its transfer."""
+        with self._pd_lock:
+            return bootstrap_room not in self._pd_live_recvs
+
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """D: a prefill's bootstrap server stopped answering heartbeats: fail and abort its rooms."""
         rooms = list(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, []))
@@ -286,7 +304,11 @@ class PdKVManager(CommonKVManager):
     def table_sizes(self) -> dict[str, int]:
         """Open per-room entries here and in the engine (tests and logs check they drain to zero)."""
         with self._pd_lock:
-            own = {"pages": len(self._pd_pages), "aux": len(self._pd_aux)}
+            own = {
+                "pages": len(self._pd_pages),
+                "aux": len(self._pd_aux),
+                "live_recvs": len(self._pd_live_recvs),
+            }
         return {**own, **self.pd_engine.table_sizes()}
 
 
