@@ -9,8 +9,12 @@ MODEL_DIR := .cache/models/tiny-llama
 # Re-install when pyproject.toml or this Makefile change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+# SGLang lives in its own venv (it pins other torch/transformers versions than vLLM); see docs/sglang.md.
+SGLANG_VENV := .venv-sglang
+SGLANG_REQS := pd_disagg/sglang_cpu/requirements.txt
+SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
 
-.PHONY: all install model demo test lint typecheck unit integration clean
+.PHONY: all install sglang-env model demo test lint typecheck unit integration clean
 
 all: test
 
@@ -27,6 +31,20 @@ $(STAMP): $(PY) pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+# ~2 min from scratch, ~2.8 GB. `--no-deps` because sglang 0.5.23 pins torch 2.14.1 and CUDA-only packages;
+# torch 2.13.0+cpu comes from the local wheel folder, then the non-CUDA packages SGLang really imports.
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)
+	rm -f $(SGLANG_VENV)/.installed-*
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install -q -r $(SGLANG_REQS)
+	$(SGLANG_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+sglang-env: $(SGLANG_STAMP)
 
 $(MODEL_DIR)/config.json: $(STAMP)
 	$(PY) -m pd_disagg.tiny_model --out $(MODEL_DIR)
@@ -46,11 +64,11 @@ typecheck: install
 unit: install
 	$(BIN)/pytest -m unit -q $(PYTEST_ARGS)
 
-integration: install model
+integration: install sglang-env model
 	PD_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest -m integration -q $(PYTEST_ARGS)
 
-test: lint typecheck install model
+test: lint typecheck install sglang-env model
 	PD_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest -q -rfE --durations=15 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) .cache .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -7,12 +7,14 @@ servers the same way. Returns ``ManagedServer`` objects; starting and stopping i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pd_disagg.servers import ManagedServer, free_port
+from pd_disagg.sglang_cpu import STAND_INS_DIR
 
 # Settings every vLLM CPU server in this project uses: eager mode and a block size that CPU attention accepts
 # (multiple of 32). Tests use float32, which makes vLLM's greedy tokens equal to transformers' exactly.
@@ -81,6 +83,144 @@ def vllm_server(
         log_path=log_dir / f"{name}-{port}.log",
         health_url=f"http://127.0.0.1:{port}/health",
         env=server_env,
+    )
+
+
+# SGLang runs from its own virtualenv (`make sglang-env`): it pins torch and transformers versions that differ
+# from vLLM's. ``PD_SGLANG_PYTHON`` overrides the interpreter (e.g. a worktree using another checkout's venv).
+SGLANG_VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv-sglang" / "bin" / "python"
+# Settings every SGLang CPU server in this project uses (docs/sglang.md explains each).
+SGLANG_CPU_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-overlap-schedule",
+    "--random-seed",
+    "0",
+)
+
+
+def sglang_python() -> str:
+    """The interpreter of the SGLang virtualenv (``PD_SGLANG_PYTHON`` or the repo's ``.venv-sglang``)."""
+    return os.environ.get("PD_SGLANG_PYTHON") or str(SGLANG_VENV_PYTHON)
+
+
+def sglang_server(
+    model: str | Path,
+    *,
+    log_dir: Path,
+    name: str = "sglang",
+    port: int | None = None,
+    cpu_core: int | str | None = None,
+    max_total_tokens: int = 4096,
+    context_length: int = 1024,
+    dtype: str = "bfloat16",
+    disaggregation_mode: str | None = None,
+    transfer_backend: str = "pd",
+    bootstrap_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> ManagedServer:
+    """An SGLang server on ``127.0.0.1:port`` (not yet started), run on CPU as docs/sglang.md describes.
+
+    ``disaggregation_mode`` is ``None`` (aggregated), ``"prefill"`` or ``"decode"``; P/D servers use
+    ``transfer_backend`` and a prefill server's bootstrap server listens on ``bootstrap_port``. Decode servers
+    back retracted requests up in CPU tensors (the default pins host memory through CUDA). ``cpu_core``
+    pins SGLang's OpenMP threads (``SGLANG_CPU_OMP_THREADS_BIND``).
+    """
+    port = port or free_port()
+    argv = [
+        sglang_python(),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--context-length",
+        str(context_length),
+        "--max-total-tokens",
+        str(max_total_tokens),
+        *SGLANG_CPU_ARGS,
+    ]
+    if disaggregation_mode is not None:
+        argv += [
+            "--disaggregation-mode",
+            disaggregation_mode,
+            "--disaggregation-transfer-backend",
+            transfer_backend,
+        ]
+        if bootstrap_port is not None:
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+        if disaggregation_mode == "decode":
+            argv += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    argv += list(extra_args)
+    server_env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(STAND_INS_DIR), os.environ.get("PYTHONPATH")])),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        # SGLang advertises (and our backend binds) the address get_local_ip_auto() finds, which is the NIC's
+        # by default; keep every bootstrap and transfer listener on loopback.
+        "SGLANG_HOST_IP": "127.0.0.1",
+        **UCX_TEST_ENV,
+    }
+    if cpu_core is not None:
+        server_env["SGLANG_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    server_env.update(env or {})
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        env=server_env,
+    )
+
+
+def sglang_router(
+    prefill: Sequence[tuple[str, int]],
+    decode: Sequence[str],
+    *,
+    log_dir: Path,
+    name: str = "sglang-router",
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+) -> ManagedServer:
+    """SGLang's own PD router (``sglang-router``, from the SGLang venv) on ``127.0.0.1:port`` (not started).
+
+    ``prefill``: ``(base_url, bootstrap_port)`` per prefill server; ``decode``: base URLs of decode servers.
+    """
+    port = port or free_port()
+    argv = [
+        sglang_python(),
+        "-m",
+        "sglang_router.launch_router",
+        "--pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # Its metrics listener defaults to a fixed port: pick a free one so routers can run side by side.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    for url, bootstrap_port in prefill:
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += list(extra_args)
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
     )
 
 

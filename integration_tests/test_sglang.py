@@ -1,0 +1,264 @@
+"""The SGLang transfer backend ``pd`` on real SGLang CPU servers (tiny model), driven like a PD router.
+
+First an aggregated SGLang server answers the prompts alone (the reference), then a prefill server (P) and
+a decode server (D) with ``--disaggregation-transfer-backend pd`` replace it (never more than two SGLang
+servers at once). Checks: identical greedy output, also for a prompt P prefills in several chunks and
+through SGLang's own router (``sglang-router``); a
+negative control (P writes only layer 0 of one room's KV: D's output changes after the first token); and the failure
+paths end within their timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers
+run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked page or request slot crashes the
+scheduler at its next idle check; the tests wait until the server is idle with empty queues, then require
+it to be alive, leak-free in its log, and still serving.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from integration_tests.sglang_client import (
+    Reply,
+    body,
+    generate,
+    generate_pd,
+    get_json,
+    new_room,
+    post,
+    stream_then_disconnect,
+)
+from pd_disagg.engines import base_url, sglang_router, sglang_server
+from pd_disagg.servers import ManagedServer, free_port, running
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n",
+    "class Request:\n    def __init__(self",
+]
+# ~150 tokens: with --chunked-prefill-size 48, P prefills (and sends) it in several chunks.
+LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
+MAX_NEW_TOKENS = 12
+CHUNK = ("--chunked-prefill-size", "48")
+DROPPED_ROOM = 4242424242
+BOOTSTRAP_TIMEOUT_S = 10  # P gives up on a decode partner that never comes
+WAITING_TIMEOUT_S = 15  # D gives up on KV that never comes
+HEARTBEAT_TIMEOUT_S = 3.0  # a dead peer is noticed this fast
+SLACK_S = 15  # scheduling noise on a shared 2-core machine
+COMMON_ENV = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "PD_SGLANG_HEARTBEAT_INTERVAL_S": "0.5",
+    "PD_SGLANG_HEARTBEAT_TIMEOUT_S": str(HEARTBEAT_TIMEOUT_S),
+    "PD_SGLANG_LEASE_S": "20",
+    "PD_SGLANG_TRANSPORT": "tcp",
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, log_dir: Path) -> dict[str, Reply]:
+    """Greedy answers of an aggregated SGLang server (stopped before the P/D pair starts)."""
+    server = sglang_server(tiny_model, log_dir=log_dir, name="sglang-agg", extra_args=CHUNK)
+    with running(server, timeout_s=420):
+        replies = {p: generate(base_url(server), p, MAX_NEW_TOKENS) for p in [*PROMPTS, LONG_PROMPT]}
+    for prompt, reply in replies.items():
+        assert reply.ok and len(reply.output_ids) == MAX_NEW_TOKENS, (prompt, reply)
+    return replies
+
+
+@pytest.fixture(scope="module")
+def pd_pair(
+    reference, tiny_model: Path, log_dir: Path, start_servers
+) -> tuple[ManagedServer, ManagedServer, int]:
+    """P (core 0) and D (core 1) with the pd backend; returns ``(P, D, bootstrap_port)``."""
+    bootstrap_port = free_port()
+    prefill = sglang_server(
+        tiny_model,
+        log_dir=log_dir,
+        name="sglang-prefill",
+        cpu_core=0,
+        disaggregation_mode="prefill",
+        bootstrap_port=bootstrap_port,
+        extra_args=CHUNK,
+        env={
+            **COMMON_ENV,
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
+            "PD_SGLANG_FAULT_DROP_KV_ROOMS": str(DROPPED_ROOM),
+        },
+    )
+    decode = sglang_server(
+        tiny_model,
+        log_dir=log_dir,
+        name="sglang-decode",
+        cpu_core=1,
+        disaggregation_mode="decode",
+        env={
+            **COMMON_ENV,
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+            "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+            # SGLang's default, explicit because the failure tests rely on it: hold the pages of a failed or
+            # aborted transfer until the backend says P can no longer write them.
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1",
+        },
+    )
+    start_servers(prefill, decode)
+    return prefill, decode, bootstrap_port
+
+
+def _bootstrap(port: int) -> tuple[str, int]:
+    return ("127.0.0.1", port)
+
+
+def assert_drained(server: ManagedServer, timeout_s: float = 30) -> None:
+    """Wait until ``server`` has no request in any queue, then require it alive and leak-free.
+
+    SGLang's idle self-check (strict mode) runs once the scheduler is idle with empty queues; a leaked
+    page or request slot raises there and kills the scheduler, which the health check then sees.
+    """
+    deadline = time.monotonic() + timeout_s
+    loads: object = None
+    while time.monotonic() < deadline:
+        loads = get_json(base_url(server) + "/v1/loads")
+        if _idle(loads):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"{server.name} still has requests after {timeout_s}s: {loads}")
+    time.sleep(2)  # let a few idle self-checks run
+    assert server.alive(), server.log_tail()
+    log = server.log_path.read_text(errors="replace")
+    assert "leak detected" not in log.lower(), server.log_tail()
+    assert "Mem Leak Detected" not in log, server.log_tail()
+
+
+def _idle(loads: object) -> bool:
+    """True when every count of requests (running, queued, bootstrapping, transferring) is zero."""
+    counts: list[int] = []
+
+    def walk(node: object, key: str = "") -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, key)
+        elif isinstance(node, int) and key.startswith("num_") and key.endswith("reqs"):
+            counts.append(node)
+
+    walk(loads)
+    assert counts, f"/v1/loads reports no request counts: {loads}"
+    return not any(counts)
+
+
+def test_disaggregated_output_equals_aggregated(pd_pair, reference):
+    prefill, decode, port = pd_pair
+    for prompt in [*PROMPTS, LONG_PROMPT]:
+        p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS)
+        assert p.ok, p
+        assert d.ok, d
+        assert d.output_ids == reference[prompt].output_ids, (prompt, d.body, reference[prompt].body)
+        assert d.body["text"] == reference[prompt].body["text"]
+    assert "(recv) done" in decode.log_path.read_text(errors="replace")
+    assert_drained(prefill)
+    assert_drained(decode)
+
+
+def test_negative_control_dropped_kv_changes_output(pd_pair, reference):
+    """P writes only layer 0 of the room's KV: D gets the first token but decodes from stale pages."""
+    prefill, decode, port = pd_pair
+    prompt = LONG_PROMPT
+    p, d = generate_pd(
+        base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS, room=DROPPED_ROOM
+    )
+    assert p.ok and d.ok, (p, d)
+    expected = reference[prompt].output_ids
+    assert d.output_ids[0] == expected[0]  # the first token comes from P's metadata, not from the KV
+    assert d.output_ids != expected, "output did not depend on the transferred KV"
+    assert_drained(decode)
+
+
+def test_prefill_without_decode_partner_times_out(pd_pair):
+    prefill, _decode, port = pd_pair
+    reply = post(
+        base_url(prefill) + "/generate",
+        body(PROMPTS[0], 4, _bootstrap(port), new_room()),
+        timeout_s=BOOTSTRAP_TIMEOUT_S + 60,
+    )
+    assert not reply.ok, reply
+    assert reply.seconds < BOOTSTRAP_TIMEOUT_S + SLACK_S, reply
+    assert_drained(prefill)
+
+
+def test_decode_without_prefill_times_out(pd_pair):
+    """D bootstraps with P and asks for KV that P never computes: D gives up at its waiting timeout."""
+    prefill, decode, port = pd_pair
+    reply = post(
+        base_url(decode) + "/generate",
+        body(PROMPTS[1], 4, _bootstrap(port), new_room()),
+        timeout_s=WAITING_TIMEOUT_S + 60,
+    )
+    assert not reply.ok, reply
+    assert reply.seconds < WAITING_TIMEOUT_S + SLACK_S, reply
+    assert_drained(decode)
+    assert_drained(prefill)
+
+
+def test_client_abort_frees_memory(pd_pair, reference):
+    """The client disconnects from D mid-stream: D aborts the request and frees its pages; both go on serving."""
+    prefill, decode, port = pd_pair
+    payload = body(PROMPTS[2], 400, _bootstrap(port), new_room())
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        p = pool.submit(post, base_url(prefill) + "/generate", payload, 120)
+        seen = stream_then_disconnect(base_url(decode), payload, chunks=2, timeout_s=120)
+        assert p.result().ok
+    assert seen == 2
+    assert_drained(decode)
+    assert_drained(prefill)
+    _, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), PROMPTS[0], MAX_NEW_TOKENS)
+    assert d.output_ids == reference[PROMPTS[0]].output_ids
+
+
+def test_through_sglang_router_output_equals_aggregated(pd_pair, reference, log_dir):
+    """SGLang's own PD router (sglang-router 0.3.2) in front of the pd backend: it adds the bootstrap
+    fields and sends both legs; the answer equals the aggregated server's."""
+    prefill, decode, port = pd_pair
+    router = sglang_router([(base_url(prefill), port)], [base_url(decode)], log_dir=log_dir)
+    with running(router, timeout_s=60):
+        # The router is healthy before it has checked and added its workers (in the background): wait for
+        # its first answer that is not "no worker available".
+        deadline = time.monotonic() + 90
+        while True:
+            first = generate(base_url(router), PROMPTS[0], MAX_NEW_TOKENS)
+            if first.status != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert first.ok, first
+        assert first.output_ids == reference[PROMPTS[0]].output_ids, first.body
+        for prompt in (PROMPTS[1], LONG_PROMPT):
+            reply = generate(base_url(router), prompt, MAX_NEW_TOKENS)
+            assert reply.ok, reply
+            assert reply.output_ids == reference[prompt].output_ids, (prompt, reply.body)
+    assert_drained(prefill)
+    assert_drained(decode)
+
+
+def test_prefill_death_fails_decode_within_heartbeat_timeout(pd_pair):
+    """Runs last in the module: P is killed while D waits for its KV; D fails the request long before its
+    waiting timeout (heartbeats), frees the pages and stays healthy."""
+    prefill, decode, port = pd_pair
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        d = pool.submit(
+            post, base_url(decode) + "/generate", body(PROMPTS[1], 4, _bootstrap(port), new_room()), 120
+        )
+        time.sleep(3)  # D bootstrapped and sent its destinations
+        killed_at = time.monotonic()
+        prefill.kill()
+        reply = d.result()
+    waited = time.monotonic() - killed_at
+    assert not reply.ok, reply
+    assert waited < WAITING_TIMEOUT_S, f"D noticed P's death only after {waited:.1f}s"
+    assert_drained(decode)

@@ -1,0 +1,71 @@
+"""Settings of the SGLang ``pd`` backend, read from the environment of the SGLang server process.
+
+SGLang has no per-backend configuration object, so the backend reads ``PD_SGLANG_*`` variables (documented in
+docs/configuration.md ``## SGLang backend``) once per scheduler process when its KV manager starts. SGLang's
+own timeouts (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, ``..._WAITING_TIMEOUT``) keep their meaning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SGLangBackendConfig:
+    """``transport``: ``tcp`` (default), ``ucx`` or ``auto``. ``lease_s``: how long P keeps a request's
+    pages for a decode side that has not asked for them, or that stopped acknowledging. Heartbeats on the
+    control connection detect a dead peer within ``heartbeat_timeout_s``. ``secret``: shared HMAC key for the
+    control plane (unset: no authentication). ``connect_timeout_s``: D's connect + handshake with P.
+    ``drop_kv_rooms``: fault injection for tests (negative control): for these bootstrap rooms P writes only
+    layer 0 of the KV, so D decodes the other layers from whatever its pages held. Empty in real use."""
+
+    transport: str = "tcp"
+    lease_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    abort_grace_s: float = 5.0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    secret: bytes | None = None
+    drop_kv_rooms: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SGLangBackendConfig:
+        """Read ``PD_SGLANG_*``; a malformed value raises ``ValueError`` naming the variable."""
+        env = os.environ if env is None else env
+        defaults = cls()
+
+        def number(name: str, default: float) -> float:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a number") from None
+            if value <= 0:
+                raise ValueError(f"{name}={raw!r} must be positive")
+            return value
+
+        transport = env.get("PD_SGLANG_TRANSPORT", defaults.transport) or defaults.transport
+        if transport not in ("tcp", "ucx", "auto"):
+            raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx or auto")
+        secret = env.get("PD_SGLANG_SECRET")
+        drop = env.get("PD_SGLANG_FAULT_DROP_KV_ROOMS", "")
+        try:
+            drop_kv_rooms = frozenset(int(r) for r in drop.split(",") if r.strip())
+        except ValueError:
+            raise ValueError(
+                f"PD_SGLANG_FAULT_DROP_KV_ROOMS={drop!r} is not a comma-separated list of rooms"
+            ) from None
+        return cls(
+            transport=transport,
+            lease_s=number("PD_SGLANG_LEASE_S", defaults.lease_s),
+            connect_timeout_s=number("PD_SGLANG_CONNECT_TIMEOUT_S", defaults.connect_timeout_s),
+            abort_grace_s=number("PD_SGLANG_ABORT_GRACE_S", defaults.abort_grace_s),
+            heartbeat_interval_s=number("PD_SGLANG_HEARTBEAT_INTERVAL_S", defaults.heartbeat_interval_s),
+            heartbeat_timeout_s=number("PD_SGLANG_HEARTBEAT_TIMEOUT_S", defaults.heartbeat_timeout_s),
+            secret=secret.encode() if secret else None,
+            drop_kv_rooms=drop_kv_rooms,
+        )

@@ -1,0 +1,390 @@
+"""KVManager, KVSender, KVReceiver and BootstrapServer of the SGLang transfer backend ``pd``.
+
+SGLang's scheduler creates one ``PdKVManager`` per scheduler process (prefill or decode), one ``PdKVSender``
+per request on a prefill server (P) and one ``PdKVReceiver`` per request on a decode server (D); the HTTP
+``PdKVBootstrapServer`` runs in P's launcher process. They subclass SGLang's ``Common*`` classes, which keep
+SGLang's bootstrap protocol (P registers its ranks with its bootstrap server; D looks them up by
+``bootstrap_host:bootstrap_port``; requests are matched by ``bootstrap_room``) and the ``KVPoll`` bookkeeping
+that ``decode.py``/``prefill.py`` call into. What moves the KV is pd_connector's ``TransferEngine``:
+
+- P's manager runs the engine's side-channel listener and advertises its port as the rank port in the
+  bootstrap registration (the Common zmq socket of P is not used by this backend);
+- D's receiver, once SGLang has allocated its pages (``send_metadata``), calls ``engine.expect`` with the
+  room as transfer id, its page ids and P's side-channel address;
+- P's sender, called once per prefill chunk after the forward pass, offers the request's pages so far,
+  pushes every layer of the chunk's page range, and on the last chunk calls ``finish`` with the first
+  sampled token, which D writes into its metadata row.
+
+A background thread per manager turns the engine's results into ``KVPoll`` states. Every path ends: P waits
+for D at most ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (and its lease), D waits for the KV at most
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, dead peers are noticed by heartbeats, and aborts are sent to the
+other side. Methods called by SGLang's scheduler never raise for transfer problems: they log, record the
+failure and report ``KVPoll.Failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.server_args import ServerArgs
+
+from pd_connector.sglang.config import SGLangBackendConfig
+from pd_connector.sglang.kv_buffers import (
+    UnsupportedPool,
+    describe_pool,
+    read_first_token,
+    resolve_dtype,
+    write_first_token,
+)
+from pd_connector.transfer.engine import TransferEngine
+from pd_connector.transfer.types import TransferConfig, TransferResult, TransferState
+
+logger = logging.getLogger(__name__)
+
+#: How often the result thread drains the transfer engine (seconds): bounds the extra latency of a poll.
+RESULT_POLL_INTERVAL_S = 0.002
+
+
+def _transfer_id(room: int) -> str:
+    return f"sgl-{room}"
+
+
+def _rank_kv_heads(args: KVArgs, server_args: ServerArgs) -> int:
+    """KV heads of this rank: SGLang sets ``kv_head_num`` on prefill only; decode asks the model config."""
+    heads = getattr(args, "kv_head_num", None)
+    if heads:
+        return int(heads)
+    from sglang.srt.configs.model_config import ModelConfig
+
+    model_config = ModelConfig.from_server_args(server_args)
+    return int(model_config.get_num_kv_heads(server_args.tp_size))
+
+
+class PdKVManager(CommonKVManager):
+    """Per scheduler process: owns the transfer engine and maps its results onto SGLang's room states.
+
+    With ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1`` D holds the pages of a failed or aborted
+    request until ``is_abort_release_safe``: the engine reported the transfer, which it does only once P
+    acknowledged the abort (or the connection was closed), so no late write can land in reused pages.
+    """
+
+    supports_deferred_decode_kv_release = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: ServerArgs,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        if is_mla_backend:
+            raise UnsupportedPool("the pd transfer backend supports MHA KV caches only (not MLA)")
+        if getattr(server_args, "disaggregation_enable_kv_checksum", False):
+            raise UnsupportedPool("--disaggregation-enable-kv-checksum is not supported by the pd backend")
+        self.pd_config = SGLangBackendConfig.from_env()
+        dtype = resolve_dtype(
+            getattr(server_args, "kv_cache_dtype", None), getattr(server_args, "dtype", None)
+        )
+        self.pd_layout, self._pd_buffers = describe_pool(args, dtype, _rank_kv_heads(args, server_args))
+        self._pd_engine: TransferEngine | None = None
+        self._pd_lock = threading.Lock()
+        self._pd_pages: dict[int, list[int]] = {}  # P: room -> pages offered so far
+        self._pd_aux: dict[int, int] = {}  # D: room -> metadata row to fill on success
+        self._pd_live_recvs: set[int] = set()  # D: rooms whose transfer the engine has not reported yet
+        self._pd_stop = threading.Event()
+        # CommonKVManager.__init__ calls register_to_bootstrap() on P, which starts the engine's listener.
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self._pd_engine is None:
+            self._pd_engine = self._start_engine(listen=False)
+        if disaggregation_mode == DisaggregationMode.DECODE:
+            self._start_heartbeat_checker_thread()
+        self._pd_thread = threading.Thread(target=self._result_loop, name="pd-sglang-results", daemon=True)
+        self._pd_thread.start()
+
+    # ---- start-up --------------------------------------------------------------------------------------------
+    def _start_engine(self, *, listen: bool) -> TransferEngine:
+        from pd_connector.transport.factory import TransportConfig, create_transport
+        from pd_connector.transport.tcp import TcpConfig
+
+        cfg = self.pd_config
+        config = TransferConfig(
+            engine_id=f"sglang-{self.disaggregation_mode.value}-{uuid.uuid4().hex[:8]}",
+            listen_host=self.local_ip,
+            listen_port=0 if listen else None,
+            connect_timeout_s=cfg.connect_timeout_s,
+            load_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+            lease_s=cfg.lease_s,
+            abort_grace_s=cfg.abort_grace_s,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            secret=cfg.secret,
+        )
+        transport = create_transport(
+            TransportConfig(kind=cfg.transport, tcp=TcpConfig(host=self.local_ip))  # type: ignore[arg-type]
+        )
+        engine = TransferEngine(config, self.pd_layout, self._pd_buffers, transport)
+        logger.info(
+            "pd transfer backend (%s): engine %s, layout %s, side channel %s",
+            self.disaggregation_mode.value,
+            config.engine_id,
+            self.pd_layout,
+            engine.address,
+        )
+        return engine
+
+    def register_to_bootstrap(self) -> None:
+        """P only: start the engine's listener and advertise its port as this rank's port."""
+        self._pd_engine = self._start_engine(listen=True)
+        assert self._pd_engine.address is not None
+        self.rank_port = int(self._pd_engine.address.rsplit(":", 1)[1])
+        super().register_to_bootstrap()
+
+    @property
+    def pd_engine(self) -> TransferEngine:
+        assert self._pd_engine is not None, "pd KV manager used before its engine started"
+        return self._pd_engine
+
+    # ---- prefill side (called by PdKVSender on the scheduler thread) -------------------------------------
+    def open_send(self, room: int) -> None:
+        """Start the sender state and its lease, before D's destinations arrive."""
+        with self._pd_lock:
+            self._pd_pages[room] = []
+        self.pd_engine.offer(_transfer_id(room), [])
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: npt.NDArray[np.int32],
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        **_: Any,
+    ) -> None:
+        """One prefill chunk is computed: push its pages of every layer; the last chunk also finishes."""
+        tid = _transfer_id(bootstrap_room)
+        try:
+            with self._pd_lock:
+                pages = self._pd_pages.setdefault(bootstrap_room, [])
+                pages.extend(int(p) for p in kv_indices)
+                table = list(pages)
+            if len(table) != index_slice.stop:
+                raise ValueError(f"chunk ends at page {index_slice.stop} but {len(table)} pages were offered")
+            self.pd_engine.offer(tid, table)
+            layers = range(self.pd_layout.num_layers)
+            if bootstrap_room in self.pd_config.drop_kv_rooms:
+                logger.warning("pd backend: fault injection drops layers 1.. of room %s", bootstrap_room)
+                layers = range(1)
+            if index_slice.stop > index_slice.start:
+                for layer in layers:
+                    self.pd_engine.push_layer(tid, layer, index_slice.start, index_slice.stop)
+            if is_last_chunk:
+                first = read_first_token(self.kv_args, aux_index) if aux_index is not None else None
+                self.pd_engine.finish(tid, first_token=first)
+            self.update_status(bootstrap_room, KVPoll.Transferring)
+        except Exception as e:  # never raise into the scheduler
+            logger.exception("pd backend: send of room %s failed", bootstrap_room)
+            self.fail_room(bootstrap_room, f"pd backend send failed: {e}")
+
+    # ---- decode side (called by PdKVReceiver on the scheduler thread) ------------------------------------
+    def expect(
+        self, room: int, prefill_addr: str, kv_indices: npt.NDArray[np.int32], aux_index: int | None
+    ) -> None:
+        """Ask P to write the request's KV into ``kv_indices`` (D's pages, in token order)."""
+        try:
+            pages = [int(p) for p in kv_indices]
+            if not pages:
+                raise ValueError("no destination pages")
+            with self._pd_lock:
+                self._pd_live_recvs.add(room)
+                if aux_index is not None:
+                    self._pd_aux[room] = aux_index
+            self.pd_engine.expect(
+                _transfer_id(room),
+                prefill_addr,
+                pages,
+                num_tokens=len(pages) * self.pd_layout.block_tokens,
+                timeout_s=self.waiting_timeout,
+            )
+            self.update_status(room, KVPoll.Transferring)
+        except Exception as e:  # never raise into the scheduler
+            logger.exception("pd backend: expect for room %s failed", room)
+            with self._pd_lock:
+                self._pd_live_recvs.discard(room)
+            self.fail_room(room, f"pd backend could not request the KV: {e}")
+
+    # ---- both sides ------------------------------------------------------------------------------------------
+    def fail_room(self, room: int, reason: str) -> None:
+        """Record ``reason``, mark the room Failed and abort its transfer on both sides (idempotent)."""
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+        self.abort_transfer(room, reason)
+
+    def abort_transfer(self, room: int, reason: str) -> None:
+        """Tell the engine (and through it the peer) to stop; unknown rooms are ignored."""
+        with self._pd_lock:
+            self._pd_pages.pop(room, None)
+            self._pd_aux.pop(room, None)
+        try:
+            self.pd_engine.abort(_transfer_id(room), reason)
+        except Exception:
+            logger.exception("pd backend: abort of room %s failed", room)
+
+    def _result_loop(self) -> None:
+        """Background thread: apply engine results and D's arrival to the rooms' ``KVPoll`` states."""
+        while not self._pd_stop.wait(RESULT_POLL_INTERVAL_S):
+            try:
+                self._promote_bootstrapped_sends()
+                for result in self.pd_engine.poll():
+                    self._apply(result)
+            except Exception:
+                logger.exception("pd backend: result loop error (continuing)")
+
+    def _promote_bootstrapped_sends(self) -> None:
+        """P: a room whose decode side sent its destinations may run its prefill (WaitingForInput)."""
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            return
+        with self._pd_lock:
+            rooms = list(self._pd_pages)
+        for room in rooms:
+            if self.request_status.get(room) != KVPoll.Bootstrapping:
+                continue
+            if self.pd_engine.state(_transfer_id(room)) is TransferState.TRANSFERRING:
+                self.update_status(room, KVPoll.WaitingForInput)
+
+    def _apply(self, result: TransferResult) -> None:
+        if not result.transfer_id.startswith("sgl-"):
+            return
+        room = int(result.transfer_id[4:])
+        with self._pd_lock:
+            self._pd_pages.pop(room, None)
+            aux_index = self._pd_aux.pop(room, None)
+            if result.role == "recv":
+                self._pd_live_recvs.discard(room)
+        if room not in self.request_status:
+            return  # SGLang already cleared the request
+        if result.state is TransferState.DONE:
+            if result.role == "recv":
+                if aux_index is None or result.first_token is None:
+                    self.fail_room(room, "transfer finished without the first token")
+                    return
+                write_first_token(self.kv_args, aux_index, result.first_token, room)
+            self.update_status(room, KVPoll.Success)
+        else:
+            self.record_failure(room, f"pd transfer {result.state.value}: {result.reason}")
+            self.update_status(room, KVPoll.Failed)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """D: the pages of a failed/aborted room may be reused once the engine reported its transfer."""
+        with self._pd_lock:
+            return bootstrap_room not in self._pd_live_recvs
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """D: a prefill's bootstrap server stopped answering heartbeats: fail and abort its rooms."""
+        rooms = list(self.addr_to_rooms_tracker.get(failed_bootstrap_addr, []))
+        super()._handle_node_failure(failed_bootstrap_addr)
+        for room in rooms:
+            if self.request_status.get(room) == KVPoll.Failed:
+                self.abort_transfer(room, f"prefill {failed_bootstrap_addr} stopped answering heartbeats")
+
+    def table_sizes(self) -> dict[str, int]:
+        """Open per-room entries here and in the engine (tests and logs check they drain to zero)."""
+        with self._pd_lock:
+            own = {
+                "pages": len(self._pd_pages),
+                "aux": len(self._pd_aux),
+                "live_recvs": len(self._pd_live_recvs),
+            }
+        return {**own, **self.pd_engine.table_sizes()}
+
+
+class PdKVSender(CommonKVSender):
+    """P side of one request; SGLang calls ``send`` once per prefill chunk (Common splits the indices)."""
+
+    kv_mgr: PdKVManager
+
+    def __init__(
+        self,
+        mgr: PdKVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ) -> None:
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        if self.conclude_state is None and self.init_time is not None:
+            try:
+                mgr.open_send(bootstrap_room)
+            except Exception as e:  # never raise into the scheduler
+                logger.exception("pd backend: cannot open send of room %s", bootstrap_room)
+                mgr.fail_room(bootstrap_room, f"pd backend could not start the transfer: {e}")
+
+    def poll(self) -> KVPoll:
+        status = super().poll()
+        if status == KVPoll.Failed:
+            # Bootstrap timeout or a failure elsewhere: make sure the engine lets go of the room too.
+            self.kv_mgr.abort_transfer(self.bootstrap_room, "prefill gave up on the request")
+        return status
+
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.abort_transfer(self.bootstrap_room, "aborted on prefill")
+
+    def clear(self) -> None:
+        if self.kv_mgr.request_status.get(self.bootstrap_room) not in (KVPoll.Success, None):
+            self.kv_mgr.abort_transfer(self.bootstrap_room, "prefill request cleared")
+        super().clear()
+
+
+class PdKVReceiver(CommonKVReceiver):
+    """D side of one request: bootstrap lookup (Common), then ``send_metadata`` asks P for the KV."""
+
+    kv_mgr: PdKVManager
+    conclude_state: int | None  # a KVPoll value once concluded (set by CommonKVReceiver)
+
+    def _register_kv_args(self) -> bool:
+        # The transfer engine's handshake carries D's layout and memory; nothing to send over zmq.
+        return self.bootstrap_infos is not None
+
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: int | None = None,
+        state_indices: list[Any] | None = None,
+        decode_prefix_len: int | None = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+    ) -> None:
+        if self.conclude_state is not None:
+            return
+        infos = [i for i in getattr(self, "bootstrap_infos", None) or [] if not i.get("is_dummy")]
+        if len(infos) != 1 or decode_prefix_len or state_indices:
+            reason = (
+                f"pd backend needs exactly one prefill rank per decode rank and no decode prefix/state "
+                f"(got {len(infos)} ranks, prefix {decode_prefix_len}, state {bool(state_indices)})"
+            )
+            self.kv_mgr.fail_room(self.bootstrap_room, reason)
+            self.conclude_state = KVPoll.Failed
+            return
+        self.init_time = time.time()
+        addr = f"{infos[0]['rank_ip']}:{infos[0]['rank_port']}"
+        self.kv_mgr.expect(self.bootstrap_room, addr, kv_indices, aux_index)
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        self.kv_mgr.abort_transfer(self.bootstrap_room, "aborted on decode")
+
+
+class PdKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's HTTP bootstrap server, unchanged: P ranks register, D ranks look them up."""
