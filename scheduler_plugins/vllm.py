@@ -164,9 +164,9 @@ class SLOScheduler(Scheduler):
         if candidate is None:
             self._set_budget(self._engine_cap, self._user_long_prefill)
             return
+        # The strictest ITL target among the requests in the step (the chunk's owner included: it decodes next).
         target_ms = min(
-            [self.slo.itl_target_ms]
-            + [self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms) for r in decodes]
+            self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms) for r in [*decodes, candidate]
         )
         plan = StepPlan(
             decodes=decode_tokens + reserve,
