@@ -77,6 +77,8 @@ async def stream_completion(
                 continue
             now = time.perf_counter()
             event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"server error event: {event['error']}")
             for choice in event.get("choices", []):
                 record.token_times.extend([now] * max(1, len(choice.get("token_ids") or [])))
     return record

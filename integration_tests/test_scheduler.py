@@ -49,8 +49,10 @@ async def _complete(
     prompt: list[int],
     max_tokens: int,
     xargs: dict[str, Any] | None = None,
+    times: list[float] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """Streamed greedy completion: token ids and the arrival time of each."""
+    """Streamed greedy completion: token ids and the arrival time of each (appended to ``times`` as they
+    arrive, so a caller can watch a stream's progress)."""
     body: dict[str, Any] = {
         "model": server.argv[server.argv.index("serve") + 1],
         "prompt": prompt,
@@ -63,13 +65,15 @@ async def _complete(
     if xargs:
         body["vllm_xargs"] = xargs
     ids: list[int] = []
-    times: list[float] = []
+    times = [] if times is None else times
     async with session.post(f"{base_url(server)}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         async for raw in resp.content:
             line = raw.strip()
             if line.startswith(b"data: {"):
-                for choice in json.loads(line[6:])["choices"]:
+                event = json.loads(line[6:])
+                assert "choices" in event, f"server error event: {event}"
+                for choice in event["choices"]:
                     new = choice.get("token_ids") or []
                     ids.extend(new)
                     times.extend([time.perf_counter()] * len(new))
@@ -86,7 +90,7 @@ def _log_size(server: ManagedServer) -> int:
 
 
 def _prompt(seed: int, n: int) -> list[int]:
-    return [100 + (seed * 7919 + i * 104729) % 3000 for i in range(n)]
+    return [100 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]  # tiny vocab: 2048
 
 
 def test_greedy_outputs_identical_to_default_scheduler(servers: dict[str, ManagedServer]) -> None:
@@ -111,29 +115,35 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
     """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (minimum
     chunk every step), and the streams keep producing tokens while it prefills (no freeze)."""
     since = _log_size(servers["ours"])
+    decode_times: list[list[float]] = [[] for _ in range(4)]
 
-    async def run() -> tuple[list[list[float]], list[float], float]:
+    async def run() -> tuple[list[float], float]:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
             strict = {"itl_target_ms": 1}
             decodes = [
-                asyncio.create_task(_complete(session, servers["ours"], _prompt(10 + i, 16), 300, strict))
-                for i in range(4)
+                asyncio.create_task(
+                    _complete(session, servers["ours"], _prompt(10 + i, 16), 900, strict, times)
+                )
+                for i, times in enumerate(decode_times)
             ]
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while min(len(t) for t in decode_times) < 3:  # every stream is decoding
+                assert time.monotonic() < deadline, "decode streams did not start"
+                await asyncio.sleep(0.05)
             sent = time.perf_counter()
             long_ids, long_times = await _complete(session, servers["ours"], _prompt(20, 900), 4, strict)
             assert len(long_ids) == 4
-            streams = await asyncio.gather(*decodes)
-            return [times for _, times in streams], long_times, sent
+            await asyncio.gather(*decodes)
+            return long_times, sent
 
-    decode_times, long_times, sent = asyncio.run(run())
+    long_times, sent = asyncio.run(run())
     first_token = long_times[0]
     for times in decode_times:
-        assert len(times) == 300
+        assert len(times) == 900
         during = [t for t in times if sent < t < first_token]
         assert during, "a decode stream froze for the whole prefill of the long prompt"
-    lines = _budget_lines(servers["ours"], since)
-    assert {chunk for target, chunk in lines if target == 1} == {32}, "overloaded: exactly the minimum chunk"
+    overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
+    assert overloaded and {chunk for _, chunk in overloaded} == {32}, "overloaded: exactly the minimum chunk"
 
 
 def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> None:

@@ -7,7 +7,8 @@ on and slow drifts (other tenants, longer contexts) without storing history.
 
 It starts from a deliberately pessimistic prior (a slow CPU: ~2 ms per prefill token), so the first chunks
 are small and safe; the prior is held with low confidence, and the first measured chunk steps replace it.
-Features that never vary (e.g. no prefill yet) keep their prior. Two guards keep one bad sample from
+Features that never vary (e.g. no prefill yet) keep their prior. Coefficients are projected onto
+non-negative values after each update (each term is a cost). Two guards keep one bad sample from
 wrecking the fit on a shared machine: the innovation is clipped to a few times its running mean absolute
 value (a step stalled by another process counts as a bounded error), and the covariance is not inflated by
 forgetting beyond its initial size (no wind-up while the workload only decodes).
@@ -61,6 +62,8 @@ class CostModel:
     ) -> None:
         if not 0 < forgetting <= 1:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if min(prior_s) < 0:
+            raise ValueError(f"prior coefficients are times and cannot be negative, got {prior_s}")
         self._theta = np.array(prior_s, dtype=np.float64) * _SCALE
         self._p0 = np.eye(4) * prior_variance
         self._p = self._p0.copy()
@@ -76,9 +79,9 @@ class CostModel:
         return a, b, c, d
 
     def predict(self, shape: StepShape) -> float:
-        """Predicted seconds for ``shape``. Negative fitted terms count as zero, so more work never predicts
+        """Predicted seconds for ``shape``; coefficients are kept non-negative, so more work never predicts
         less time (the budget search relies on that)."""
-        return float(np.maximum(self._theta, 0.0) @ shape.features())
+        return float(self._theta @ shape.features())
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Update the fit with one measured step (RLS with forgetting, clipped innovation)."""
@@ -91,7 +94,9 @@ class CostModel:
         self._mean_abs_err = 0.9 * self._mean_abs_err + 0.1 * min(abs(err), 2 * clip)
         px = self._p @ x
         gain = px / (self._forgetting + float(x @ px))
-        self._theta = self._theta + gain * clipped
+        # Projected RLS: every term is a cost, so a noisy fit must not trade a negative intercept for an
+        # inflated per-token cost (that would make chunks far too small, or too large, at other shapes).
+        self._theta = np.maximum(self._theta + gain * clipped, 0.0)
         p = (self._p - np.outer(gain, px)) / self._forgetting
         # No wind-up: directions the workload does not excite must not grow without bound.
         self._p = p if np.trace(p) <= np.trace(self._p0) else p * (np.trace(self._p0) / np.trace(p))

@@ -96,8 +96,17 @@ def test_invalid_measurements_are_ignored(seconds: float) -> None:
     assert model.coefficients_s == before and model.observations == 0
 
 
-def test_negative_fitted_terms_never_predict_less_for_more_work() -> None:
-    model = CostModel(prior_s=(0.01, -1e-3, 0.0, 0.0))
-    small = StepShape(prefill_tokens=32, decodes=0, attended_context=0.0)
-    big = StepShape(prefill_tokens=320, decodes=0, attended_context=0.0)
+def test_negative_prior_is_rejected() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        CostModel(prior_s=(0.01, -1e-3, 0.0, 0.0))
+
+
+def test_coefficients_stay_non_negative_so_more_work_never_predicts_less() -> None:
+    """Steps that got faster as they grew (noise) cannot drive a coefficient below zero."""
+    model = CostModel()
+    for chunk in range(32, 2048, 32):
+        model.observe(StepShape(prefill_tokens=chunk, decodes=0, attended_context=0.0), 0.5 - chunk * 2e-4)
+    assert min(model.coefficients_s) >= 0
+    small = StepShape(prefill_tokens=32, decodes=1, attended_context=100.0)
+    big = StepShape(prefill_tokens=320, decodes=1, attended_context=1000.0)
     assert model.predict(big) >= model.predict(small)
