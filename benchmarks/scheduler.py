@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -98,7 +99,7 @@ class Workload:
     def long_schedule(self) -> list[tuple[float, list[int]]]:
         """Seeded Poisson arrival offsets (s) and distinct random prompts; identical for every config."""
         rng = np.random.default_rng(self.seed)
-        t, out = 0.0, []
+        t, out = 0.0, list[tuple[float, list[int]]]()
         while True:
             t += float(rng.exponential(1.0 / self.long_rate_per_s))
             if t > self.duration_s:
@@ -155,7 +156,7 @@ async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, f
         return streams, start, end
 
 
-def summarize(streams: list[Stream], start: float, end: float) -> dict[str, float | list[list[float]]]:
+def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]:
     """Gap statistics inside [start, end]; see the module docstring for the definitions."""
     windows = [(s.sent, s.token_times[0]) for s in streams if s.long and s.token_times and s.sent >= start]
     gaps: list[tuple[float, float, float]] = []  # (gap start, gap end, seconds)

@@ -25,6 +25,8 @@ from pd_disagg.servers import ManagedServer
 
 BUDGET_LINE = re.compile(r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+)")
 TIMEOUT = aiohttp.ClientTimeout(total=180)
+# Each step carries every decode plus one chunk, so streams outlive the 29 chunk steps of a 900-token prompt.
+DECODE_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +124,7 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
             strict = {"itl_target_ms": 1}
             decodes = [
                 asyncio.create_task(
-                    _complete(session, servers["ours"], _prompt(10 + i, 16), 900, strict, times)
+                    _complete(session, servers["ours"], _prompt(10 + i, 16), DECODE_TOKENS, strict, times)
                 )
                 for i, times in enumerate(decode_times)
             ]
@@ -139,7 +141,7 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
     long_times, sent = asyncio.run(run())
     first_token = long_times[0]
     for times in decode_times:
-        assert len(times) == 900
+        assert len(times) == DECODE_TOKENS
         during = [t for t in times if sent < t < first_token]
         assert during, "a decode stream froze for the whole prefill of the long prompt"
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
