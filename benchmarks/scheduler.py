@@ -212,8 +212,8 @@ def static_candidates(default: dict, work: Workload, target_ms: float) -> list[i
     step(B) ~ decode step + (B - decodes) * per-token prefill cost."""
     step_ms = float(default["itl_p50_ms"])
     per_token_ms = float(default["ttft_long_p50_ms"]) / work.long_tokens
-    best = work.decodes + (target_ms - step_ms) / per_token_ms
-    return sorted({max(32, int(best * f) // 16 * 16) for f in (0.75, 1.0)})
+    best = max(32, int(work.decodes + (target_ms - step_ms) / per_token_ms) // 16 * 16)
+    return [best, 2 * best]  # the estimate, and twice it in case load inflated the per-token cost
 
 
 def holds_target(result: dict, target_ms: float) -> bool:
