@@ -257,6 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=45.0, help="measurement window per config (s)")
     parser.add_argument("--cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND for the server")
     parser.add_argument("--static", type=int, nargs="*", help="static budgets to try (default: derived)")
+    parser.add_argument(
+        "--ours-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra scheduler_plugins setting for ours, e.g. chunk_align_tokens=16 (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "scheduler_gaps.png")
     args = parser.parse_args(argv)
@@ -285,7 +292,13 @@ def main(argv: list[str] | None = None) -> None:
         args,
         work,
         ["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
-        {"PD_SCHED_ITL_TARGET_MS": f"{args.target_ms:g}"},
+        {
+            "PD_SCHED_ITL_TARGET_MS": f"{args.target_ms:g}",
+            **{
+                f"PD_SCHED_{name.upper()}": value
+                for name, value in (kv.split("=", 1) for kv in args.ours_setting)
+            },
+        },
     )
     plot(
         {
