@@ -1,0 +1,323 @@
+"""Head-of-line blocking benchmark: vLLM's default vs the best static chunk budget vs ``SLOScheduler``.
+
+One colocated vLLM CPU server at a time (bench model), the same seeded workload for every configuration:
+``--decodes`` streaming requests kept running all the time (a finished one is replaced at once), plus long
+prompts (``--long-tokens`` random token ids each, distinct so the prefix cache never helps) arriving as a
+Poisson process. The client records the arrival time of every streamed token.
+
+Reported per configuration (all from the measurement window, after a warm-up long prompt):
+- ``itl_max``: the worst gap between consecutive tokens of a stream (what a user sees as a freeze);
+- ``itl_window_p99``: p99 of the gaps that overlap an interference window (a long prompt's arrival to its
+  first token), where head-of-line blocking happens;
+- ``itl_p99``: p99 of all gaps; ``ttft_long_p50``: median TTFT of the long prompts;
+- ``throughput``: generated tokens per second (decode streams and long prompts).
+
+``static_best``: static ``--max-num-batched-tokens`` candidates are derived from the default run (decode step
+time and per-token prefill cost), each is run, and the one that holds the target (window p99 and p99 <= the
+target) with the lowest long-prompt TTFT is reported (the smallest candidate if none holds it).
+
+Progress goes to stderr; the last stdout line is the JSON summary. Runs in the harness process; servers are
+started and always stopped through ``pd_disagg.servers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from pd_disagg.engines import base_url, vllm_server
+from pd_disagg.servers import running
+
+ROOT = Path(__file__).resolve().parent.parent
+HTTP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when it was sent and when each token arrived (perf_counter seconds)."""
+
+    sent: float
+    long: bool
+    token_times: list[float] = field(default_factory=list)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int, long: bool
+) -> Stream:
+    """POST a streaming completion; timestamp every event that carries tokens."""
+    record = Stream(sent=time.perf_counter(), long=long)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"server error event: {event['error']}")
+            for choice in event.get("choices", []):
+                record.token_times.extend([now] * max(1, len(choice.get("token_ids") or [])))
+    return record
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    decodes: int
+    decode_prompt_tokens: int
+    decode_max_tokens: int
+    long_tokens: int
+    long_rate_per_s: float
+    duration_s: float
+    seed: int
+
+    def long_schedule(self) -> list[tuple[float, list[int]]]:
+        """Seeded Poisson arrival offsets (s) and distinct random prompts; identical for every config."""
+        rng = np.random.default_rng(self.seed)
+        t, out = 0.0, list[tuple[float, list[int]]]()
+        while True:
+            t += float(rng.exponential(1.0 / self.long_rate_per_s))
+            if t > self.duration_s:
+                return out
+            out.append((t, rng.integers(100, 4000, self.long_tokens).tolist()))
+
+
+async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, float]:
+    """Warm up, then run decodes + Poisson long prompts; returns streams and the window (start, end)."""
+    rng = np.random.default_rng(work.seed + 1)
+    timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        def prompt(n: int) -> list[int]:
+            return rng.integers(100, 4000, n).tolist()
+
+        # Warm-up: one long prompt with decodes running (first-use costs, and the cost model's first fit).
+        warm = [
+            stream_completion(session, url, work.model, prompt(work.decode_prompt_tokens), 32, False)
+            for _ in range(work.decodes)
+        ]
+        await asyncio.gather(
+            *warm, stream_completion(session, url, work.model, prompt(work.long_tokens), 1, True)
+        )
+
+        streams: list[Stream] = []
+        stop = asyncio.Event()
+
+        async def decode_loop() -> None:
+            while not stop.is_set():
+                streams.append(
+                    await stream_completion(
+                        session,
+                        url,
+                        work.model,
+                        prompt(work.decode_prompt_tokens),
+                        work.decode_max_tokens,
+                        False,
+                    )
+                )
+
+        async def long_request(delay: float, ids: list[int]) -> None:
+            await asyncio.sleep(delay)
+            streams.append(await stream_completion(session, url, work.model, ids, 1, True))
+
+        loops = [asyncio.create_task(decode_loop()) for _ in range(work.decodes)]
+        await asyncio.sleep(0.5)  # let the decode streams get going
+        start = time.perf_counter()
+        await asyncio.gather(*(long_request(d, ids) for d, ids in work.long_schedule()))
+        await asyncio.sleep(max(0.0, start + work.duration_s - time.perf_counter()))
+        end = time.perf_counter()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*loops), timeout=HTTP_TIMEOUT_S)
+        return streams, start, end
+
+
+def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]:
+    """Gap statistics inside [start, end]; see the module docstring for the definitions."""
+    windows = [(s.sent, s.token_times[0]) for s in streams if s.long and s.token_times and s.sent >= start]
+    gaps: list[tuple[float, float, float]] = []  # (gap start, gap end, seconds)
+    for s in streams:
+        if s.long:
+            continue
+        for a, b in zip(s.token_times, s.token_times[1:], strict=False):
+            if start <= b <= end:
+                gaps.append((a, b, b - a))
+    values = np.array([g for _, _, g in gaps])
+    in_window = np.array([g for a, b, g in gaps if any(a < w1 and b > w0 for w0, w1 in windows)])
+    tokens = sum(1 for s in streams for t in s.token_times if start <= t <= end)
+    return {
+        "itl_max_ms": float(values.max() * 1e3),
+        "itl_window_p99_ms": float(np.percentile(in_window, 99) * 1e3) if in_window.size else float("nan"),
+        "itl_p99_ms": float(np.percentile(values, 99) * 1e3),
+        "itl_p50_ms": float(np.percentile(values, 50) * 1e3),
+        "ttft_long_p50_ms": statistics.median(w1 - w0 for w0, w1 in windows) * 1e3,
+        "long_prompts": len(windows),
+        "throughput_tok_s": tokens / (end - start),
+        "gaps": [[b - start, g * 1e3] for _, b, g in gaps],
+        "windows": [[w0 - start, w1 - start] for w0, w1 in windows],
+    }
+
+
+def run_config(
+    name: str, args: argparse.Namespace, work: Workload, extra: list[str], env: dict[str, str]
+) -> dict:
+    server = vllm_server(
+        args.model,
+        log_dir=ROOT / "logs" / "bench",
+        name=f"sched-{name}",
+        cpu_core=args.cores,
+        max_model_len=args.long_tokens + 256,
+        extra_args=extra,
+        env=env,
+    )
+    log(f"{name}: starting server {' '.join(extra)}")
+    with running(server, timeout_s=600):
+        streams, start, end = asyncio.run(run_workload(base_url(server), work))
+    result = summarize(streams, start, end)
+    log(
+        f"{name}: itl_max={result['itl_max_ms']:.0f}ms window_p99={result['itl_window_p99_ms']:.0f}ms "
+        f"p99={result['itl_p99_ms']:.0f}ms p50={result['itl_p50_ms']:.0f}ms "
+        f"ttft_long_p50={result['ttft_long_p50_ms']:.0f}ms ({result['long_prompts']} long) "
+        f"throughput={result['throughput_tok_s']:.1f} tok/s"
+    )
+    return result
+
+
+def static_candidates(default: dict, work: Workload, target_ms: float) -> list[int]:
+    """Budgets around the one whose step is predicted to hit the target, from the default run's figures:
+    step(B) ~ decode step + (B - decodes) * per-token prefill cost."""
+    step_ms = float(default["itl_p50_ms"])
+    per_token_ms = float(default["ttft_long_p50_ms"]) / work.long_tokens
+    best = max(32, int(work.decodes + (target_ms - step_ms) / per_token_ms) // 16 * 16)
+    return [best, 2 * best]  # the estimate, and twice it in case load inflated the per-token cost
+
+
+def holds_target(result: dict, target_ms: float) -> bool:
+    return bool(result["itl_window_p99_ms"] <= target_ms and result["itl_p99_ms"] <= target_ms)
+
+
+def plot(results: dict[str, dict], target_ms: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.6 * len(results)), sharex=True, sharey=True)
+    for ax, (name, res) in zip(axes, results.items(), strict=True):
+        gaps = np.array(res["gaps"])
+        for w0, w1 in res["windows"]:
+            ax.axvspan(w0, w1, color="orange", alpha=0.15, lw=0)
+        ax.scatter(gaps[:, 0], gaps[:, 1], s=3)
+        ax.axhline(target_ms, color="red", ls="--", lw=1, label=f"ITL target {target_ms:g} ms")
+        ax.set_yscale("log")
+        ax.set_ylabel("gap (ms)")
+        ax.set_title(
+            f"{name}: max {res['itl_max_ms']:.0f} ms, window p99 {res['itl_window_p99_ms']:.0f} ms, "
+            f"TTFT(long) p50 {res['ttft_long_p50_ms']:.0f} ms",
+            fontsize=9,
+        )
+    axes[0].legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("time (s); shaded: long prompt waiting for its first token")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT.parent.parent / "main/.cache/models/bench-llama"))
+    parser.add_argument("--target-ms", type=float, default=100.0)
+    parser.add_argument("--decodes", type=int, default=4)
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--long-rate", type=float, default=1 / 8, help="long prompts per second (Poisson)")
+    parser.add_argument("--duration", type=float, default=45.0, help="measurement window per config (s)")
+    parser.add_argument("--cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND for the server")
+    parser.add_argument("--static", type=int, nargs="*", help="static budgets to try (default: derived)")
+    parser.add_argument(
+        "--ours-setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra scheduler_plugins setting for ours, e.g. chunk_align_tokens=16 (repeatable)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "scheduler_gaps.png")
+    args = parser.parse_args(argv)
+    # SIGTERM (e.g. `timeout`) must unwind through `running()` so the server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work = Workload(
+        model=args.model,
+        decodes=args.decodes,
+        decode_prompt_tokens=32,
+        decode_max_tokens=256,
+        long_tokens=args.long_tokens,
+        long_rate_per_s=args.long_rate,
+        duration_s=args.duration,
+        seed=args.seed,
+    )
+    results = {"default": run_config("default", args, work, [], {})}
+    candidates = args.static or static_candidates(results["default"], work, args.target_ms)
+    statics = {
+        b: run_config(f"static-{b}", args, work, ["--max-num-batched-tokens", str(b)], {}) for b in candidates
+    }
+    holding = [b for b in candidates if holds_target(statics[b], args.target_ms)]
+    best = min(holding, key=lambda b: statics[b]["ttft_long_p50_ms"]) if holding else min(candidates)
+    results["static_best"] = statics[best]
+    results["ours"] = run_config(
+        "ours",
+        args,
+        work,
+        ["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
+        {
+            "PD_SCHED_ITL_TARGET_MS": f"{args.target_ms:g}",
+            **{
+                f"PD_SCHED_{name.upper()}": value
+                for name, value in (kv.split("=", 1) for kv in args.ours_setting)
+            },
+        },
+    )
+    plot(
+        {
+            "default": results["default"],
+            f"static_best ({best} tokens)": results["static_best"],
+            "ours": results["ours"],
+        },
+        args.target_ms,
+        args.plot,
+    )
+    keys = ("itl_max_ms", "itl_window_p99_ms", "itl_p99_ms", "ttft_long_p50_ms", "throughput_tok_s")
+    summary: dict[str, object] = {"itl_target_ms": args.target_ms}
+    for key in keys:
+        summary[key] = {name: round(float(res[key]), 1) for name, res in results.items()}
+    summary["static_best_tokens"] = best
+    summary["static_tried"] = {str(b): {k: round(float(statics[b][k]), 1) for k in keys} for b in candidates}
+    summary["long_prompts"] = {name: res["long_prompts"] for name, res in results.items()}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""SLOScheduler on real vLLM CPU servers (tiny model): same tokens as vLLM's scheduler, no starvation, and a
+token budget that follows the ITL target.
+
+Two servers share the module (started in parallel, one per core): vLLM's default scheduler and
+``--scheduler-cls scheduler_plugins.vllm.SLOScheduler``. Targets are set per request (``vllm_xargs``), so one
+server exercises every target; the scheduler logs each budget decision (``PD_SCHED_LOG_INTERVAL_S=0``) and the
+tests read those lines from the server log. No test gates on absolute times (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pd_disagg.engines import base_url, vllm_server
+from pd_disagg.servers import ManagedServer
+
+BUDGET_LINE = re.compile(r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+)")
+TIMEOUT = aiohttp.ClientTimeout(total=180)
+# Each step carries every decode plus one chunk, so streams outlive the 29 chunk steps of a 900-token prompt.
+DECODE_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def servers(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, ManagedServer]:
+    default = vllm_server(tiny_model, log_dir=log_dir, name="sched-default", dtype="float32", cpu_core=0)
+    ours = vllm_server(
+        tiny_model,
+        log_dir=log_dir,
+        name="sched-slo",
+        dtype="float32",
+        cpu_core=1,
+        extra_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
+        env={"PD_SCHED_ITL_TARGET_MS": "1000", "PD_SCHED_LOG_INTERVAL_S": "0"},
+    )
+    start_servers(default, ours)
+    return {"default": default, "ours": ours}
+
+
+async def _complete(
+    session: aiohttp.ClientSession,
+    server: ManagedServer,
+    prompt: list[int],
+    max_tokens: int,
+    xargs: dict[str, Any] | None = None,
+    times: list[float] | None = None,
+) -> tuple[list[int], list[float]]:
+    """Streamed greedy completion: token ids and the arrival time of each (appended to ``times`` as they
+    arrive, so a caller can watch a stream's progress)."""
+    body: dict[str, Any] = {
+        "model": server.argv[server.argv.index("serve") + 1],
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    if xargs:
+        body["vllm_xargs"] = xargs
+    ids: list[int] = []
+    times = [] if times is None else times
+    async with session.post(f"{base_url(server)}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                assert "choices" in event, f"server error event: {event}"
+                for choice in event["choices"]:
+                    new = choice.get("token_ids") or []
+                    ids.extend(new)
+                    times.extend([time.perf_counter()] * len(new))
+    return ids, times
+
+
+def _budget_lines(server: ManagedServer, since: int) -> list[tuple[float, int]]:
+    text = server.log_path.read_text(errors="replace")[since:]
+    return [(float(m["target"]), int(m["chunk"])) for m in BUDGET_LINE.finditer(text)]
+
+
+def _log_size(server: ManagedServer) -> int:
+    return len(server.log_path.read_text(errors="replace"))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 104729) % 1900 for i in range(n)]  # tiny vocab: 2048
+
+
+def test_greedy_outputs_identical_to_default_scheduler(servers: dict[str, ManagedServer]) -> None:
+    """A concurrent batch (short and long prompts) gives the same tokens; ours really chunked the prompts."""
+    prompts = [_prompt(1, 20), _prompt(2, 700), _prompt(3, 300), _prompt(4, 900)]
+    since = _log_size(servers["ours"])
+
+    async def batch(server: ManagedServer, xargs: dict[str, Any] | None) -> list[list[int]]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            results = await asyncio.gather(*(_complete(session, server, p, 24, xargs) for p in prompts))
+        return [ids for ids, _ in results]
+
+    reference = asyncio.run(batch(servers["default"], None))
+    ours = asyncio.run(batch(servers["ours"], {"itl_target_ms": 5}))  # a tight target: small chunks
+    assert ours == reference
+    assert all(len(ids) == 24 for ids in ours)
+    chunks = [chunk for target, chunk in _budget_lines(servers["ours"], since) if target == 5]
+    assert chunks and max(chunks) < 900, "the long prompts were not split into chunks"
+
+
+def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
+    """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (minimum
+    chunk every step), and the streams keep producing tokens while it prefills (no freeze)."""
+    since = _log_size(servers["ours"])
+    decode_times: list[list[float]] = [[] for _ in range(4)]
+
+    async def run() -> tuple[list[float], float]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            strict = {"itl_target_ms": 1}
+            decodes = [
+                asyncio.create_task(
+                    _complete(session, servers["ours"], _prompt(10 + i, 16), DECODE_TOKENS, strict, times)
+                )
+                for i, times in enumerate(decode_times)
+            ]
+            deadline = time.monotonic() + 60
+            while min(len(t) for t in decode_times) < 3:  # every stream is decoding
+                assert time.monotonic() < deadline, "decode streams did not start"
+                await asyncio.sleep(0.05)
+            sent = time.perf_counter()
+            long_ids, long_times = await _complete(session, servers["ours"], _prompt(20, 900), 4, strict)
+            assert len(long_ids) == 4
+            await asyncio.gather(*decodes)
+            return long_times, sent
+
+    long_times, sent = asyncio.run(run())
+    first_token = long_times[0]
+    for times in decode_times:
+        assert len(times) == DECODE_TOKENS
+        during = [t for t in times if sent < t < first_token]
+        assert during, "a decode stream froze for the whole prefill of the long prompt"
+    overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
+    assert overloaded and {chunk for _, chunk in overloaded} == {32}, "overloaded: exactly the minimum chunk"
+
+
+def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> None:
+    """The same load under a loose then a tight per-request target: the chosen chunks shrink."""
+
+    async def run(target_ms: float, seed: int) -> None:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            xargs = {"itl_target_ms": target_ms}
+            decodes = [
+                _complete(session, servers["ours"], _prompt(seed + i, 16), 120, xargs) for i in range(2)
+            ]
+            longs = [
+                _complete(session, servers["ours"], _prompt(seed + 5 + i, 900), 2, xargs) for i in range(2)
+            ]
+            await asyncio.gather(*decodes, *longs)
+
+    since = _log_size(servers["ours"])
+    asyncio.run(run(400.0, 100))
+    asyncio.run(run(8.0, 200))
+    lines = _budget_lines(servers["ours"], since)
+    loose = [chunk for target, chunk in lines if target == 400]
+    tight = [chunk for target, chunk in lines if target == 8]
+    assert loose and tight
+    assert statistics.median(tight) < statistics.median(loose)
+    assert min(tight) >= 32 and all(chunk % 32 == 0 for chunk in tight)  # block-aligned, >= minimum

@@ -1,0 +1,71 @@
+"""Per-iteration token budget and prefill order: the policy, independent of any engine.
+
+The adapter (``scheduler_plugins.vllm``) describes the step it is about to build (how many decodes run and
+their context, where the next prefill chunk starts), asks ``prefill_chunk`` how many prefill tokens to add,
+and asks ``deadline_order`` in which order to serve waiting prefills on a prefill node.
+
+Guarantees the tests check:
+- the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap;
+- the chunk is at least ``min_chunk`` whenever the engine cap allows, even when the decodes alone already
+  exceed the target: every pending prefill makes progress each step, so nothing starves;
+- otherwise the chunk is the largest aligned size whose predicted step time stays within the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The decode part of a step (already fixed) and where the next prefill chunk would start."""
+
+    decodes: int
+    decode_context: int  # sum of the decodes' cached tokens
+    prefill_cached: int  # tokens already computed for the request that gets the chunk
+    max_step_tokens: int  # the engine's hard per-step cap (e.g. vLLM's max_num_batched_tokens)
+
+    def shape(self, chunk: int) -> StepShape:
+        decode_pairs = self.decode_context + self.decodes  # each decode attends to its context + itself
+        return StepShape(
+            prefill_tokens=chunk,
+            decodes=self.decodes,
+            attended_context=decode_pairs + (attended_pairs(chunk, self.prefill_cached) if chunk else 0.0),
+        )
+
+
+def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, min_chunk: int) -> int:
+    """Largest ``align``-multiple chunk with predicted step time <= ``limit_s``, at least ``min_chunk``.
+
+    Binary search over multiples of ``align``: ``model.predict`` is non-decreasing in the chunk size.
+    """
+    if align <= 0 or min_chunk <= 0:
+        raise ValueError(f"align and min_chunk must be positive, got {align}, {min_chunk}")
+    room = plan.max_step_tokens - plan.decodes
+    if room <= 0:
+        return 0
+    lo, hi = 0, room // align  # lo: known to fit (0 blocks always "fits": the floor is applied below)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.predict(plan.shape(mid * align)) <= limit_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return min(room, max(lo * align, min_chunk))
+
+
+T = TypeVar("T")
+
+
+def deadline_order(items: Iterable[T], deadline: Callable[[T], float]) -> list[T]:
+    """Earliest TTFT deadline first; ties keep arrival order (``sorted`` is stable).
+
+    With deadline = arrival + target and targets bounded above, a waiting request is overtaken only by
+    requests with a tighter target that arrived within that target's window, so each one is served in
+    bounded time.
+    """
+    return sorted(items, key=deadline)

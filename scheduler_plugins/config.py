@@ -1,0 +1,78 @@
+"""How the SLO scheduler is configured, validated once when the engine's scheduler is built.
+
+Sources, later wins: built-in defaults, environment variables ``PD_SCHED_*`` (they reach vLLM's EngineCore
+process because it inherits the server's environment), then the ``scheduler_plugins`` object of vLLM's
+``--additional-config`` JSON. Per-request targets (``itl_target_ms``, ``ttft_target_ms`` in the request's
+``vllm_xargs``) are read by the adapter, not here. Bad values raise ``ValueError`` naming the setting, so a
+misconfigured server fails at start-up instead of scheduling with a silently wrong target.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+ENV_PREFIX = "PD_SCHED_"
+ADDITIONAL_CONFIG_KEY = "scheduler_plugins"
+
+
+class Mode(str, enum.Enum):
+    """Which node the engine is: the policy differs by what it has to protect."""
+
+    COLOCATED = "colocated"  # decodes and prefills share the engine: protect the ITL target
+    DECODE = "decode"  # a D node: like colocated, and remote KV loads are admitted before local prefills
+    PREFILL = "prefill"  # a P node: no decodes to protect; large chunks, earliest TTFT deadline first
+
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """All settings; units are in the names. ``0`` for a token count means "one KV block"."""
+
+    mode: Mode = Mode.COLOCATED
+    itl_target_ms: Positive = 100.0
+    ttft_target_ms: Positive = 2000.0
+    # Fraction of the ITL target the predicted step may use: the rest absorbs prediction error and the
+    # per-token work outside the model step (sampling, detokenizing, HTTP).
+    headroom: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
+    min_chunk_tokens: NonNegInt = 0
+    chunk_align_tokens: NonNegInt = 0
+    log_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+
+    def chunk_align(self, block_size: int) -> int:
+        """Granularity of prefill chunks: the KV block size unless set."""
+        return self.chunk_align_tokens or block_size
+
+    def min_chunk(self, block_size: int) -> int:
+        """Smallest chunk a pending prefill gets every step (starvation freedom), a multiple of the alignment."""
+        align = self.chunk_align(block_size)
+        wanted = self.min_chunk_tokens or align
+        return max(align, -(-wanted // align) * align)
+
+
+def load_settings(env: Mapping[str, str], additional_config: Mapping[str, Any] | None) -> SchedulerSettings:
+    """Merge defaults, ``PD_SCHED_*`` variables and ``additional_config["scheduler_plugins"]``; validate."""
+    fields = set(SchedulerSettings.__struct_fields__)
+    merged: dict[str, Any] = {}
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX):
+            key = name[len(ENV_PREFIX) :].lower()
+            if key not in fields:
+                raise ValueError(f"unknown scheduler setting {name}; known: {sorted(fields)}")
+            merged[key] = value
+    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
+    if not isinstance(section, Mapping):
+        raise ValueError(
+            f"--additional-config {ADDITIONAL_CONFIG_KEY!r} must be a JSON object, got {section!r}"
+        )
+    merged.update(section)
+    try:
+        # strict=False: environment values are strings ("100") that must become numbers.
+        return msgspec.convert(merged, SchedulerSettings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid scheduler_plugins setting: {exc}") from exc

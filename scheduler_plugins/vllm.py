@@ -1,0 +1,224 @@
+"""vLLM adapter: ``--scheduler-cls scheduler_plugins.vllm.SLOScheduler`` (vLLM 0.32, v1 engine).
+
+Runs inside vLLM's EngineCore process, which calls ``schedule()`` then ``update_from_output()`` once per
+iteration (``--scheduler-cls`` turns async scheduling off, so the two alternate strictly). This class does not
+copy vLLM's scheduling loop; it sets the loop's inputs before delegating to it:
+
+- ``self.running`` is reordered so decodes come first and partial prefills after them (stall-free order);
+  in prefill mode partial prefills and ``self.waiting`` are ordered by TTFT deadline instead of arrival.
+- ``self.max_num_scheduled_tokens`` (the step's token budget) becomes decode tokens + the chunk chosen by
+  ``budget.prefill_chunk`` (+ one token per remote KV load waiting, in decode mode), and the private copy of
+  the scheduler config gets ``long_prefill_token_threshold = chunk``, so one prefill cannot take the decodes'
+  share or the remote loads' reserve.
+- the time from the end of ``schedule()`` to the start of ``update_from_output()`` (the workers' forward
+  pass and sampling) is fed to the cost model with the step's shape.
+
+The chosen budget is logged (logger ``vllm.scheduler_plugins.vllm``) at most every ``log_interval_s`` and
+whenever the effective ITL target changes; the integration tests read it from the server log.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
+from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
+from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
+
+# Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
+logger = init_logger(f"vllm.{__name__}")
+
+ITL_TARGET_ARG = "itl_target_ms"
+TTFT_TARGET_ARG = "ttft_target_ms"
+
+
+def _pending_tokens(request: Request) -> int:
+    return request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+
+
+def _is_decode(request: Request) -> bool:
+    """A running request that only needs its next token (plus speculative ones): not a prefill chunk."""
+    return request.num_computed_tokens >= request.num_tokens - 1
+
+
+def _is_remote_kv(request: Request) -> bool:
+    """A request whose prompt KV comes from a prefill node (loading, or asked to load on admission)."""
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        return True
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_prefill"))
+
+
+class SLOScheduler(Scheduler):
+    """vLLM's scheduler with an SLO-driven token budget per step (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, *args, **kwargs)
+        additional = vllm_config.additional_config
+        self.slo: SchedulerSettings = load_settings(
+            os.environ, additional if isinstance(additional, dict) else None
+        )
+        if self.slo.mode is Mode.PREFILL and self.policy is not SchedulingPolicy.FCFS:
+            raise ValueError(
+                "scheduler_plugins prefill mode orders the queue itself: use --scheduling-policy fcfs"
+            )
+        if self.slo.mode is not Mode.PREFILL and not self.scheduler_config.enable_chunked_prefill:
+            raise ValueError(
+                "scheduler_plugins colocated/decode modes need chunked prefill (do not disable it)"
+            )
+        # A private copy: the per-step long_prefill_token_threshold must not leak into the shared config.
+        self.scheduler_config = copy.copy(self.scheduler_config)
+        self._user_long_prefill = self.scheduler_config.long_prefill_token_threshold
+        self._engine_cap = self.max_num_scheduled_tokens
+        self._align = self.slo.chunk_align(self.block_size)
+        self._min_chunk = self.slo.min_chunk(self.block_size)
+        self.cost_model = CostModel()
+        self._in_flight: tuple[StepShape, float] | None = None
+        self._last_log = 0.0
+        self._last_target_ms = self.slo.itl_target_ms
+        self.current_budget = self._engine_cap
+        logger.info(
+            "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g headroom=%g chunk_align=%d "
+            "min_chunk=%d engine_cap=%d",
+            self.slo.mode.value,
+            self.slo.itl_target_ms,
+            self.slo.ttft_target_ms,
+            self.slo.headroom,
+            self._align,
+            self._min_chunk,
+            self._engine_cap,
+        )
+
+    # --- per-request targets -------------------------------------------------------------------------
+    def _request_target_ms(self, request: Request, key: str, default: float) -> float:
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        value = (extra or {}).get(key)
+        if value is None:
+            return default
+        try:
+            target = float(value)
+        except (TypeError, ValueError):
+            target = -1.0
+        if target <= 0:
+            logger.warning("request %s: ignoring invalid %s=%r", request.request_id, key, value)
+            return default
+        return target
+
+    def _deadline(self, request: Request) -> float:
+        return (
+            request.arrival_time
+            + self._request_target_ms(request, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
+        )
+
+    # --- the step --------------------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        decodes = [r for r in self.running if _is_decode(r)]
+        prefills = [r for r in self.running if not _is_decode(r)]
+        if self.slo.mode is Mode.PREFILL:
+            prefills = deadline_order(prefills, self._deadline)
+            waiting = deadline_order(self.waiting, self._deadline)
+            self.waiting.clear()  # type: ignore[attr-defined]  # FCFS queue is a deque (checked in __init__)
+            self.waiting.extend(waiting)  # type: ignore[attr-defined]
+            self._set_budget(self._engine_cap, self._user_long_prefill)
+        else:
+            if self.slo.mode is Mode.DECODE and self.waiting:
+                remote_first = sorted(self.waiting, key=lambda r: not _is_remote_kv(r))
+                self.waiting.clear()  # type: ignore[attr-defined]
+                self.waiting.extend(remote_first)  # type: ignore[attr-defined]
+            self._plan_step(decodes, prefills)
+        self.running[:] = decodes + prefills
+        output = super().schedule(throttle_prefills)
+        self._in_flight = (
+            (self._shape_of(output), time.perf_counter()) if output.total_num_scheduled_tokens else None
+        )
+        return output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        if self._in_flight is not None:
+            shape, started = self._in_flight
+            self.cost_model.observe(shape, time.perf_counter() - started)
+            self._in_flight = None
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> None:
+        """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node)."""
+        waiting = [*self.kv_holding_waiting, *self.waiting]
+        remote = [r for r in waiting if _is_remote_kv(r)] if self.slo.mode is Mode.DECODE else []
+        local_waiting = [r for r in waiting if not _is_remote_kv(r)] if remote else waiting
+        candidate = prefills[0] if prefills else (local_waiting[0] if local_waiting else None)
+        decode_tokens = sum(_pending_tokens(r) for r in decodes)
+        reserve = len(remote)
+        if candidate is None:
+            self._set_budget(self._engine_cap, self._user_long_prefill)
+            return
+        # The strictest ITL target among the requests in the step (the chunk's owner included: it decodes next).
+        target_ms = min(
+            self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms) for r in [*decodes, candidate]
+        )
+        plan = StepPlan(
+            decodes=decode_tokens + reserve,
+            decode_context=sum(r.num_computed_tokens for r in decodes),
+            prefill_cached=candidate.num_computed_tokens,
+            max_step_tokens=self._engine_cap,
+        )
+        limit_s = target_ms / 1e3 * self.slo.headroom
+        chunk = prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk)
+        budget = min(self._engine_cap, decode_tokens + reserve + chunk)
+        threshold = min(chunk, self._user_long_prefill) if self._user_long_prefill else chunk
+        self._set_budget(max(1, budget), max(1, threshold))
+        self._log_budget(target_ms, chunk, plan, limit_s)
+
+    def _set_budget(self, budget: int, long_prefill_threshold: int) -> None:
+        self.max_num_scheduled_tokens = budget
+        self.scheduler_config.long_prefill_token_threshold = long_prefill_threshold
+        self.current_budget = budget
+
+    def _log_budget(self, target_ms: float, chunk: int, plan: StepPlan, limit_s: float) -> None:
+        now = time.monotonic()
+        changed = target_ms != self._last_target_ms
+        if not changed and now - self._last_log < self.slo.log_interval_s:
+            return
+        self._last_log, self._last_target_ms = now, target_ms
+        a, b, c, d = self.cost_model.coefficients_s
+        logger.info(
+            "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d decodes=%d predicted_ms=%.1f "
+            "limit_ms=%.1f fit(a_ms=%.2f b_ms_per_tok=%.4f c_ms_per_dec=%.3f d_ns_per_pair=%.3f) n=%d",
+            target_ms,
+            chunk,
+            self.current_budget,
+            plan.decodes,
+            self.cost_model.predict(plan.shape(chunk)) * 1e3,
+            limit_s * 1e3,
+            a * 1e3,
+            b * 1e3,
+            c * 1e3,
+            d * 1e9,
+            self.cost_model.observations,
+        )
+
+    def _shape_of(self, output: SchedulerOutput) -> StepShape:
+        """The step's shape, read after the parent advanced ``num_computed_tokens`` by the scheduled tokens."""
+        prefill_tokens = decodes = 0
+        pairs = 0.0
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            cached = (request.num_computed_tokens - n) if request is not None else 0
+            pairs += attended_pairs(n, max(0, cached))
+            if n == 1:
+                decodes += 1
+            else:
+                prefill_tokens += n
+        return StepShape(prefill_tokens=prefill_tokens, decodes=decodes, attended_context=pairs)

@@ -1,0 +1,42 @@
+"""The scheduler benchmark's stall metrics on a hand-made timeline (what the numbers in the docs mean)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.scheduler import Stream, Workload, holds_target, summarize
+
+pytestmark = pytest.mark.unit
+
+
+def test_window_gaps_worst_gap_and_ttft() -> None:
+    # Two decode streams tick every 0.1 s from t=0..10; the first freezes for 2 s while a long prompt
+    # (sent at 5.0, first token at 7.0) prefills.
+    steady = Stream(sent=0.0, long=False, token_times=[i * 0.1 for i in range(101)])
+    frozen_times = [i * 0.1 for i in range(51)] + [7.0 + i * 0.1 for i in range(31)]
+    frozen = Stream(sent=0.0, long=False, token_times=frozen_times)
+    long = Stream(sent=5.0, long=True, token_times=[7.0])
+    res = summarize([steady, frozen, long], start=0.0, end=10.0)
+    assert res["itl_max_ms"] == pytest.approx(2000.0)
+    assert res["ttft_long_p50_ms"] == pytest.approx(2000.0)
+    assert res["long_prompts"] == 1
+    # 179 gaps of 100 ms, one of 2000 ms: the p99 of all gaps hides the freeze, the window p99 does not.
+    assert res["itl_p99_ms"] < 200
+    assert res["itl_window_p99_ms"] > 1000
+    assert res["throughput_tok_s"] == pytest.approx((101 + 82 + 1) / 10.0)
+
+
+def test_holds_target_needs_both_percentiles() -> None:
+    assert holds_target({"itl_window_p99_ms": 90.0, "itl_p99_ms": 95.0}, 100.0)
+    assert not holds_target({"itl_window_p99_ms": 120.0, "itl_p99_ms": 95.0}, 100.0)
+
+
+def test_long_schedule_is_seeded_poisson_with_distinct_prompts() -> None:
+    work = Workload("m", 4, 32, 256, 100, long_rate_per_s=0.5, duration_s=200.0, seed=3)
+    first, second = work.long_schedule(), work.long_schedule()
+    assert [t for t, _ in first] == [t for t, _ in second]
+    times = np.array([t for t, _ in first])
+    assert np.all(np.diff(times) > 0) and times[-1] <= 200.0
+    assert 60 <= len(times) <= 140  # ~100 expected
+    assert len({tuple(p) for _, p in first}) == len(first)

@@ -1,0 +1,143 @@
+"""Chunk selection at its boundaries, starvation freedom, and deadline ordering for prefill nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
+from scheduler_plugins.cost_model import CostModel
+
+pytestmark = pytest.mark.unit
+
+# A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode; attention free (d=0) for exact arithmetic.
+LAW = (0.020, 1e-3, 1e-3, 0.0)
+
+
+def _plan(decodes: int = 4, cap: int = 2048, cached: int = 0) -> StepPlan:
+    return StepPlan(decodes=decodes, decode_context=100 * decodes, prefill_cached=cached, max_step_tokens=cap)
+
+
+def test_largest_aligned_chunk_under_the_target() -> None:
+    # 20 + 4 + chunk ms <= 100 ms -> chunk <= 76 -> 64 with 32-token blocks.
+    assert prefill_chunk(CostModel(LAW), _plan(), limit_s=0.100, align=32, min_chunk=32) == 64
+
+
+def test_exact_boundary_is_inclusive() -> None:
+    # 20 + 4 + 96 = 120 ms: 96 fits (1e-12 s of slack for float rounding), 128 does not.
+    assert prefill_chunk(CostModel(LAW), _plan(), limit_s=0.120 + 1e-12, align=32, min_chunk=32) == 96
+    assert prefill_chunk(CostModel(LAW), _plan(), limit_s=0.1199, align=32, min_chunk=32) == 64
+
+
+def test_minimum_chunk_when_decodes_alone_exceed_the_target() -> None:
+    """200 decodes predict 220 ms > 100 ms: prefill still gets the minimum chunk (no starvation)."""
+    assert prefill_chunk(CostModel(LAW), _plan(decodes=200), limit_s=0.1, align=32, min_chunk=64) == 64
+
+
+def test_engine_cap_bounds_the_chunk() -> None:
+    assert (
+        prefill_chunk(CostModel(LAW), _plan(decodes=4, cap=100), limit_s=10.0, align=32, min_chunk=32) == 96
+    )
+    # The cap leaves less than the minimum: the cap wins (the engine could not run more).
+    assert (
+        prefill_chunk(CostModel(LAW), _plan(decodes=90, cap=100), limit_s=10.0, align=32, min_chunk=32) == 10
+    )
+    assert (
+        prefill_chunk(CostModel(LAW), _plan(decodes=100, cap=100), limit_s=10.0, align=32, min_chunk=32) == 0
+    )
+
+
+def test_attention_cost_shrinks_chunks_deep_into_a_long_prompt() -> None:
+    model = CostModel((0.020, 1e-3, 1e-3, 1e-6))
+    early = prefill_chunk(model, _plan(cached=0), limit_s=0.2, align=32, min_chunk=32)
+    late = prefill_chunk(model, _plan(cached=4000), limit_s=0.2, align=32, min_chunk=32)
+    assert late < early
+
+
+def test_target_change_moves_the_budget() -> None:
+    chunks = [
+        prefill_chunk(CostModel(LAW), _plan(), limit_s=t, align=32, min_chunk=32) for t in (0.05, 0.1, 0.3)
+    ]
+    assert chunks == sorted(chunks) and chunks[0] < chunks[-1]
+
+
+def test_rejects_nonpositive_alignment() -> None:
+    with pytest.raises(ValueError):
+        prefill_chunk(CostModel(LAW), _plan(), limit_s=0.1, align=0, min_chunk=32)
+
+
+@given(
+    decodes=st.integers(0, 300),
+    cap=st.integers(1, 8192),
+    limit_ms=st.floats(1.0, 2000.0),
+    align=st.sampled_from([16, 32, 64]),
+    min_blocks=st.integers(1, 4),
+    cached=st.integers(0, 8000),
+)
+def test_chunk_invariants(
+    decodes: int, cap: int, limit_ms: float, align: int, min_blocks: int, cached: int
+) -> None:
+    model = CostModel((0.02, 1e-3, 1e-3, 1e-8))
+    plan = _plan(decodes=decodes, cap=cap, cached=cached)
+    min_chunk = min_blocks * align
+    chunk = prefill_chunk(model, plan, limit_s=limit_ms / 1e3, align=align, min_chunk=min_chunk)
+    room = max(0, cap - decodes)
+    assert 0 <= chunk <= room  # never over the engine cap
+    assert chunk >= min(min_chunk, room)  # always progress when the engine has room
+    if chunk < room:
+        assert chunk % align == 0  # block-aligned unless clipped by the cap
+    if chunk > min_chunk and chunk % align == 0:
+        assert model.predict(plan.shape(chunk)) <= limit_ms / 1e3  # above the floor only if it fits
+        if chunk + align <= room:
+            assert model.predict(plan.shape(chunk + align)) > limit_ms / 1e3  # and it is the largest
+
+
+def test_long_prompt_completes_under_constant_decode_overload() -> None:
+    """Simulated engine: 300 decodes alone blow the target every step; a 2000-token prompt still finishes
+    within ceil(2000 / min_chunk) steps, and the model keeps learning from measured steps meanwhile."""
+    model = CostModel()
+    remaining, cached, steps = 2000, 0, 0
+    while remaining > 0:
+        plan = StepPlan(decodes=300, decode_context=300 * 500, prefill_cached=cached, max_step_tokens=2048)
+        chunk = min(prefill_chunk(model, plan, limit_s=0.1, align=32, min_chunk=32), remaining)
+        model.observe(plan.shape(chunk), 0.02 + 1e-3 * chunk + 1e-3 * 300)
+        remaining, cached, steps = remaining - chunk, cached + chunk, steps + 1
+        assert steps <= -(-2000 // 32)
+    assert remaining == 0
+
+
+@dataclass
+class _Req:
+    name: str
+    arrival: float
+    ttft_target: float
+
+    def deadline(self) -> float:
+        return self.arrival + self.ttft_target
+
+
+def test_prefill_node_serves_earliest_deadline_not_arrival() -> None:
+    queue = [_Req("relaxed", 0.0, 10.0), _Req("urgent", 1.0, 0.5), _Req("normal", 0.5, 2.0)]
+    assert [r.name for r in deadline_order(queue, _Req.deadline)] == ["urgent", "normal", "relaxed"]
+
+
+def test_equal_targets_keep_arrival_order() -> None:
+    queue = [_Req(str(i), float(i), 2.0) for i in range(5)]
+    queue_ties = [_Req("a", 0.0, 1.0), _Req("b", 0.5, 0.5)]  # same deadline: stable
+    assert deadline_order(queue, _Req.deadline) == queue
+    assert [r.name for r in deadline_order(queue_ties, _Req.deadline)] == ["a", "b"]
+
+
+def test_edf_is_starvation_free_with_bounded_targets() -> None:
+    """A relaxed request is overtaken only by urgent ones arriving within its window, then it is served."""
+    waiting = [_Req("relaxed", 0.0, 5.0)]
+    served: list[str] = []
+    for step in range(20):  # one urgent arrival and one service per time unit
+        waiting.append(_Req(f"u{step}", float(step + 1), 0.5))
+        waiting = deadline_order(waiting, _Req.deadline)
+        served.append(waiting.pop(0).name)
+    assert "relaxed" in served
+    assert served.index("relaxed") <= 5

@@ -1,0 +1,50 @@
+"""Settings come from defaults, PD_SCHED_* variables and --additional-config; bad values fail loudly."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults() -> None:
+    settings = load_settings({"PATH": "/bin"}, None)
+    assert settings == SchedulerSettings()
+    assert settings.mode is Mode.COLOCATED and settings.itl_target_ms == 100.0
+
+
+def test_env_then_additional_config_wins() -> None:
+    env = {"PD_SCHED_ITL_TARGET_MS": "50", "PD_SCHED_MODE": "decode", "PD_SCHED_HEADROOM": "0.7"}
+    settings = load_settings(env, {"scheduler_plugins": {"itl_target_ms": 80, "mode": "prefill"}})
+    assert settings.itl_target_ms == 80 and settings.mode is Mode.PREFILL and settings.headroom == 0.7
+
+
+def test_other_additional_config_sections_are_ignored() -> None:
+    assert load_settings({}, {"someone_else": {"x": 1}}) == SchedulerSettings()
+
+
+@pytest.mark.parametrize(
+    ("env", "additional", "fragment"),
+    [
+        ({"PD_SCHED_ITL_TARGET_MS": "-1"}, None, "itl_target_ms"),
+        ({"PD_SCHED_ITL_TARGET_MS": "fast"}, None, "itl_target_ms"),
+        ({"PD_SCHED_TYPO": "1"}, None, "PD_SCHED_TYPO"),
+        ({}, {"scheduler_plugins": {"mode": "both"}}, "mode"),
+        ({}, {"scheduler_plugins": {"headroom": 1.5}}, "headroom"),
+        ({}, {"scheduler_plugins": {"colour": "red"}}, "colour"),
+        ({}, {"scheduler_plugins": [1, 2]}, "JSON object"),
+    ],
+)
+def test_bad_values_name_the_setting(env: dict, additional: dict | None, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        load_settings(env, additional)
+
+
+@pytest.mark.parametrize(
+    ("align", "min_chunk", "block", "expect"), [(0, 0, 32, 32), (0, 40, 32, 64), (16, 0, 32, 16)]
+)
+def test_min_chunk_is_aligned(align: int, min_chunk: int, block: int, expect: int) -> None:
+    settings = SchedulerSettings(chunk_align_tokens=align, min_chunk_tokens=min_chunk)
+    assert settings.min_chunk(block) == expect

@@ -1,0 +1,112 @@
+"""The online cost model recovers a known linear step-time law, and survives stalls and idle phases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
+
+pytestmark = pytest.mark.unit
+
+TRUE = (0.012, 1.1e-3, 0.8e-3, 4e-9)  # a CPU-like law: 12 ms + 1.1 ms/prefill token + ...
+
+
+def _true_time(shape: StepShape) -> float:
+    a, b, c, d = TRUE
+    return a + b * shape.prefill_tokens + c * shape.decodes + d * shape.attended_context
+
+
+def _random_shape(rng: np.random.Generator) -> StepShape:
+    decodes = int(rng.integers(0, 16))
+    chunk = int(rng.choice([0, 32, 64, 128, 256]))
+    cached = int(rng.integers(0, 2000))
+    pairs = decodes * 500.0 + (attended_pairs(chunk, cached) if chunk else 0.0)
+    return StepShape(prefill_tokens=chunk, decodes=decodes, attended_context=pairs)
+
+
+def test_attended_pairs_is_causal_triangle_plus_cache() -> None:
+    assert attended_pairs(1, 99) == 100  # a decode attends to its 99 cached tokens and itself
+    assert attended_pairs(4, 0) == 10  # 1 + 2 + 3 + 4
+
+
+def test_fit_recovers_known_law_from_noisy_steps() -> None:
+    rng = np.random.default_rng(0)
+    model = CostModel()
+    for _ in range(400):
+        shape = _random_shape(rng)
+        model.observe(shape, _true_time(shape) * float(rng.normal(1.0, 0.03)))
+    a, b, c, _ = model.coefficients_s
+    assert b == pytest.approx(TRUE[1], rel=0.1)
+    assert c == pytest.approx(TRUE[2], rel=0.3)
+    assert a == pytest.approx(TRUE[0], abs=0.004)
+    probe = StepShape(prefill_tokens=128, decodes=8, attended_context=8 * 500 + attended_pairs(128, 1000))
+    assert model.predict(probe) == pytest.approx(_true_time(probe), rel=0.05)
+
+
+def test_default_prior_is_pessimistic_before_any_measurement() -> None:
+    """Before data, a 256-token chunk is predicted slower than on the CPU law above: first chunks are small."""
+    shape = StepShape(prefill_tokens=256, decodes=4, attended_context=attended_pairs(256, 0))
+    assert CostModel().predict(shape) > _true_time(shape)
+
+
+def test_rare_stalls_do_not_wreck_the_fit() -> None:
+    """A shared machine stalls some steps by ~1 s; the clipped innovation keeps predictions close."""
+    rng = np.random.default_rng(1)
+    model = CostModel()
+    for i in range(600):
+        shape = _random_shape(rng)
+        stall = 1.0 if i % 50 == 25 else 0.0
+        model.observe(shape, _true_time(shape) + stall)
+    probe = StepShape(prefill_tokens=64, decodes=4, attended_context=4 * 500 + attended_pairs(64, 500))
+    assert model.predict(probe) == pytest.approx(_true_time(probe), rel=0.2)
+
+
+def test_decode_only_phase_keeps_prefill_knowledge() -> None:
+    """Long decode-only phases must not wind up the covariance or forget the prefill coefficient."""
+    rng = np.random.default_rng(2)
+    model = CostModel()
+    for _ in range(300):
+        model.observe(shape := _random_shape(rng), _true_time(shape))
+    b_before = model.coefficients_s[1]
+    for _ in range(2000):
+        shape = StepShape(prefill_tokens=0, decodes=4, attended_context=2000.0)
+        model.observe(shape, _true_time(shape))
+    assert model.coefficients_s[1] == pytest.approx(b_before, rel=0.15)
+    assert np.trace(model._p) <= np.trace(model._p0) + 1e-9
+
+
+def test_follows_a_slowdown() -> None:
+    """When the hardware gets 2x slower (another tenant), predictions follow within a few dozen steps."""
+    rng = np.random.default_rng(3)
+    model = CostModel()
+    for _ in range(300):
+        model.observe(shape := _random_shape(rng), _true_time(shape))
+    for _ in range(150):
+        model.observe(shape := _random_shape(rng), 2 * _true_time(shape))
+    probe = StepShape(prefill_tokens=128, decodes=4, attended_context=attended_pairs(128, 0) + 2000)
+    assert model.predict(probe) == pytest.approx(2 * _true_time(probe), rel=0.15)
+
+
+@pytest.mark.parametrize("seconds", [0.0, -1.0, float("nan"), float("inf")])
+def test_invalid_measurements_are_ignored(seconds: float) -> None:
+    model = CostModel()
+    before = model.coefficients_s
+    model.observe(StepShape(prefill_tokens=32, decodes=1, attended_context=600.0), seconds)
+    assert model.coefficients_s == before and model.observations == 0
+
+
+def test_negative_prior_is_rejected() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        CostModel(prior_s=(0.01, -1e-3, 0.0, 0.0))
+
+
+def test_coefficients_stay_non_negative_so_more_work_never_predicts_less() -> None:
+    """Steps that got faster as they grew (noise) cannot drive a coefficient below zero."""
+    model = CostModel()
+    for chunk in range(32, 2048, 32):
+        model.observe(StepShape(prefill_tokens=chunk, decodes=0, attended_context=0.0), 0.5 - chunk * 2e-4)
+    assert min(model.coefficients_s) >= 0
+    small = StepShape(prefill_tokens=32, decodes=1, attended_context=100.0)
+    big = StepShape(prefill_tokens=320, decodes=1, attended_context=1000.0)
+    assert model.predict(big) >= model.predict(small)
