@@ -19,7 +19,7 @@ ENV_PREFIX = "PD_SCHED_"
 ADDITIONAL_CONFIG_KEY = "scheduler_plugins"
 
 
-class Mode(str, enum.Enum):
+class Mode(enum.StrEnum):
     """Which node the engine is: the policy differs by what it has to protect."""
 
     COLOCATED = "colocated"  # decodes and prefills share the engine: protect the ITL target
