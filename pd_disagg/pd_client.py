@@ -37,8 +37,12 @@ def disaggregated(
     path: str = "/v1/completions",
     transfer_id: str | None = None,
     timeout_s: float = 120.0,
+    prefill_extra: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | BaseException]:
-    """Our push flow: P and D legs sent concurrently; returns ``(D's answer, P's answer or its error)``."""
+    """Our push flow: P and D legs sent concurrently; returns ``(D's answer, P's answer or its error)``.
+
+    ``prefill_extra`` adds keys to P's ``kv_transfer_params`` (tests use ``pd_test_corrupt``).
+    """
     transfer_id = transfer_id or uuid.uuid4().hex
     p_result: list[dict[str, Any] | BaseException] = []
 
@@ -47,7 +51,9 @@ def disaggregated(
             p_result.append(
                 post_json(
                     prefill_url + path,
-                    prefill_body(body, {"pd_transfer_id": transfer_id, "pd_role": "prefill"}),
+                    prefill_body(
+                        body, {"pd_transfer_id": transfer_id, "pd_role": "prefill", **(prefill_extra or {})}
+                    ),
                     timeout_s,
                 )
             )

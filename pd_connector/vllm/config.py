@@ -32,8 +32,9 @@ class PDConnectorConfig:
     lease_s: float = 60.0
     #: Shared secret both sides must hold; D proves it with an HMAC of the transfer id (empty: no auth).
     secret: str = ""
-    #: Test only: P flips the bytes it sends, so tests can prove D really uses the transferred KV.
-    corrupt_for_test: bool = False
+    #: Test only (P): honour ``"pd_test_corrupt": true`` in a request's kv_transfer_params by sending zeros
+    #: instead of its KV, so tests can prove D really uses the transferred bytes. Never enable in production.
+    test_allow_corruption: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -57,7 +57,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             addr = f"{self._config.side_channel_host}:{self._config.side_channel_port}"
-            self._scheduler = SchedulerSide(block_size, addr)
+            self._scheduler = SchedulerSide(block_size, addr, self._config.test_allow_corruption)
         else:
             if kv_cache_config is None:
                 raise ValueError("PDConnector worker needs the KV cache config")

@@ -24,6 +24,8 @@ class SendSpec(msgspec.Struct, frozen=True):
     start_token: int
     end_token: int
     prompt_len: int
+    #: Test only (``test_allow_corruption``): send zeros instead of this request's KV.
+    corrupt: bool = False
 
     @property
     def completes_prompt(self) -> bool:

@@ -178,7 +178,7 @@ class KVLoader:
                 blocks = self._layers.blocks[message.layer]
                 for first, count in contiguous_runs(message.block_indices, spec.block_ids):
                     run = blocks[first : first + count]
-                    recv_exact_into(sock, memoryview(run).cast("B"))
+                    recv_exact_into(sock, run.data.cast("B"))
                     received += run.nbytes
             elif isinstance(message, Done):
                 send_message(sock, Ack())

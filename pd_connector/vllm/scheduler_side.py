@@ -32,6 +32,7 @@ logger = logging.getLogger(f"vllm.{__name__}")
 @dataclass(frozen=True)
 class PrefillRole:
     transfer_id: str
+    corrupt: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ def classify(request_id: str, params: dict[str, Any] | None) -> PrefillRole | De
     role = params.get("pd_role")
     transfer_id = params.get("pd_transfer_id")
     if role == "prefill" or (role is None and params.get("do_remote_decode")):
-        return PrefillRole(str(transfer_id) if transfer_id else request_id)
+        return PrefillRole(
+            str(transfer_id) if transfer_id else request_id, params.get("pd_test_corrupt") is True
+        )
     if role == "decode" or (role is None and params.get("do_remote_prefill")):
         addr = params.get("pd_prefill_addr")
         if not transfer_id or not isinstance(addr, str) or ":" not in addr:
@@ -71,12 +74,13 @@ def _prompt_len(request: Request) -> int:
 class SchedulerSide:
     """Bookkeeping of transfers between scheduler steps; builds the worker's per-step metadata."""
 
-    def __init__(self, block_size: int, side_channel_addr: str) -> None:
+    def __init__(self, block_size: int, side_channel_addr: str, allow_corruption: bool = False) -> None:
         self._block_size = block_size
+        self._allow_corruption = allow_corruption
         self._side_channel_addr = side_channel_addr
         self._kv_cache_manager: KVCacheManager | None = None
         # P: requests whose prompt we push, by request id.
-        self._sends: dict[str, tuple[Request, str]] = {}
+        self._sends: dict[str, tuple[Request, PrefillRole]] = {}
         # D: requests whose load was planned (never load twice), and those still loading.
         self._load_planned: set[str] = set()
         self._loading: set[str] = set()
@@ -101,7 +105,7 @@ class SchedulerSide:
     ) -> None:
         role = classify(request.request_id, request.kv_transfer_params)
         if isinstance(role, PrefillRole):
-            self._sends.setdefault(request.request_id, (request, role.transfer_id))
+            self._sends.setdefault(request.request_id, (request, role))
         elif isinstance(role, DecodeRole) and num_external_tokens > 0:
             if request.request_id in self._load_planned:
                 return
@@ -130,7 +134,7 @@ class SchedulerSide:
             tracked = self._sends.get(req_id)
             if tracked is None:
                 continue
-            request, transfer_id = tracked
+            request, role = tracked
             prompt_len = _prompt_len(request)
             # Called before vLLM advances num_computed_tokens: it is where this step starts.
             start = request.num_computed_tokens
@@ -139,11 +143,12 @@ class SchedulerSide:
             sends.append(
                 SendSpec(
                     req_id=req_id,
-                    transfer_id=transfer_id,
+                    transfer_id=role.transfer_id,
                     block_ids=list(self._block_ids(req_id)),
                     start_token=start,
                     end_token=min(start + num_tokens, prompt_len),
                     prompt_len=prompt_len,
+                    corrupt=role.corrupt and self._allow_corruption,
                 )
             )
         meta = PDConnectorMetadata(
@@ -171,7 +176,7 @@ class SchedulerSide:
         tracked = self._sends.pop(req_id, None)
         if tracked is None:
             return False, None
-        _, transfer_id = tracked
+        transfer_id = tracked[1].transfer_id
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         delay = bool(block_ids)
         self._pending_finished.append(FinishedSend(req_id=req_id, ok=ok, report=delay))

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import enum
 import logging
+import select
 import socket
 import threading
 import time
@@ -40,8 +41,22 @@ from pd_connector.vllm.wire import (
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
 
+#: How often a connection thread waiting for the next layer checks that D is still there (seconds).
+_PEER_CHECK_S = 0.1
+
 #: How many released transfer ids P remembers, to answer a late D "expired" at once instead of waiting.
 _RELEASED_MEMORY = 4096
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+    """True if D closed its end (EOF or reset); D sends nothing while P pushes, so any readable is EOF."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class _State(enum.Enum):
@@ -65,6 +80,7 @@ class _Outgoing:
     req_id: str
     transfer_id: str
     prompt_len: int
+    corrupt: bool = False
     block_ids: list[int] = field(default_factory=list)
     queue: collections.deque[_Item] = field(default_factory=collections.deque)
     state: _State = _State.OPEN
@@ -107,7 +123,7 @@ class PushServer:
         with self._cond:
             out = self._by_req.get(spec.req_id)
             if out is None:
-                out = _Outgoing(spec.req_id, spec.transfer_id, spec.prompt_len)
+                out = _Outgoing(spec.req_id, spec.transfer_id, spec.prompt_len, spec.corrupt)
                 self._by_req[spec.req_id] = out
                 self._by_transfer[spec.transfer_id] = out
                 cached_blocks = -(-spec.start_token // self._block_size)
@@ -288,8 +304,12 @@ class PushServer:
                     return None
                 self._cond.wait(remaining)
 
-    def _next_item(self, out: _Outgoing) -> _Item | None:
-        """Block until the forward thread queued something; None once the transfer ended."""
+    def _next_item(self, out: _Outgoing, conn: socket.socket) -> _Item | None:
+        """Block until the forward thread queued something; None once the transfer ended.
+
+        While waiting, checks a few times a second whether D hung up (aborted or died), so P does not
+        hold the blocks of a request nobody waits for until the prefill ends.
+        """
         deadline = time.monotonic() + self._config.load_timeout_s
         with self._cond:
             while not out.queue:
@@ -298,14 +318,16 @@ class PushServer:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"prefill of {out.transfer_id} made no progress")
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, _PEER_CHECK_S))
+                if not out.queue and _peer_closed(conn):
+                    raise ConnectionError("D closed the connection")
             return out.queue.popleft()
 
     def _push_loop(self, out: _Outgoing, hello: Hello, conn: socket.socket) -> None:
         wanted = range(hello.start_block, hello.end_block)
         sent_bytes = 0
         while True:
-            item = self._next_item(out)
+            item = self._next_item(out, conn)
             if item is None:
                 send_message(conn, Error(f"transfer {out.state.value} on P"))
                 return
@@ -316,7 +338,7 @@ class PushServer:
             indices = [i for i in item.indices if i in wanted]
             if indices:
                 send_message(conn, Layer(item.layer, indices))
-                sent_bytes += self._send_blocks(conn, item.layer, indices, block_ids)
+                sent_bytes += self._send_blocks(conn, item.layer, indices, block_ids, out.corrupt)
         send_message(conn, Done(min(hello.end_block * self._block_size, out.prompt_len)))
         sent_at = time.monotonic()
         reply = recv_message(conn)
@@ -329,13 +351,15 @@ class PushServer:
             compute_done = out.compute_done_at or sent_at
         self._stats.sent(sent_bytes, transfer_s=sent_at - start, exposed_s=max(0.0, sent_at - compute_done))
 
-    def _send_blocks(self, conn: socket.socket, layer: int, indices: list[int], block_ids: list[int]) -> int:
+    def _send_blocks(
+        self, conn: socket.socket, layer: int, indices: list[int], block_ids: list[int], corrupt: bool
+    ) -> int:
         blocks = self._layers.blocks[layer]
         total = 0
         for first, count in contiguous_runs(indices, block_ids):
             run = blocks[first : first + count]
-            if self._config.corrupt_for_test:
+            if corrupt:
                 run = np.zeros_like(run)
-            conn.sendall(memoryview(run).cast("B"))
+            conn.sendall(run.data.cast("B"))
             total += run.nbytes
         return total

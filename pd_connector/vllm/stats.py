@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -132,7 +132,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
             metric = self._counter_cls(f"vllm:pd_connector_{key}", help_text, labelnames=labelnames)
             self._counters[key] = self._per_engine(metric)
         for key, help_text in _HISTOGRAM_HELP.items():
-            metric = self._histogram_cls(
+            metric = cast(Any, self._histogram_cls)(
                 f"vllm:pd_connector_{key.removesuffix('_s')}_seconds",
                 help_text,
                 labelnames=labelnames,
