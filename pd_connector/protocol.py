@@ -1,0 +1,168 @@
+"""Control-plane messages between a decode side (D, the client) and a prefill side channel (P, the server).
+
+Every message is a msgspec Struct in one tagged union (``Message``), encoded as msgpack: never pickle, so a
+peer can at worst send a malformed frame, which is rejected. The conversation on one TCP connection:
+
+    D -> P  Hello(version, engine id, KV layout + hash, transport name, D's memory descriptor)
+    P -> D  HelloAck | Refused(reason naming what differs; the connection is then closed)
+    D -> P  Destinations(transfer id, D block ids, tokens wanted, lease)      (any number, any time)
+    P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
+    P -> D  Done(transfer id, tokens, first token)                        (after every write landed)
+    D -> P  Ack(transfer id)                                              (P may release its blocks)
+    either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
+    either  Heartbeat every ``heartbeat_interval_s``: silence longer than the heartbeat timeout = dead peer
+
+Framing (``FrameCodec``): ``MAGIC`` (4 bytes) + payload length (u32 big-endian) + payload, where payload is
+``HMAC-SHA256(secret, msgpack)`` (32 bytes, only when a shared secret is configured) followed by the msgpack
+bytes. Foreign bytes fail the magic check, oversized frames the length check, forged frames the HMAC check;
+each is a ``ProtocolError`` and the connection is dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Union
+
+import msgspec
+
+from pd_connector.layout import KVLayout
+
+#: Bumped on any incompatible change of the messages below; checked in the handshake.
+PROTOCOL_VERSION = 1
+MAGIC = b"PDKV"
+HEADER = struct.Struct(">4sI")
+MAC_BYTES = 32
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A frame that is not ours, too large, unauthenticated or undecodable: drop the connection."""
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """D's handshake: who it is, how its KV cache is laid out, and how to write into it."""
+
+    version: int
+    engine_id: str
+    layout: KVLayout
+    layout_hash: str
+    transport: str
+    memory: bytes
+
+
+class HelloAck(msgspec.Struct, tag="hello_ack"):
+    """P accepts D's Hello; D may now send Destinations."""
+
+    engine_id: str
+    layout_hash: str
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    """P refuses the handshake; ``reason`` says exactly what differs (version, layout fields, transport)."""
+
+    reason: str
+    fields: list[str] = []
+
+
+class Destinations(msgspec.Struct, tag="destinations"):
+    """Where P should write transfer ``transfer_id``: D's block ids in token order.
+
+    ``block_ids`` applies to every layer; ``layer_block_ids`` (one list per layer) overrides it for caches
+    whose layers have different block tables. P writes tokens ``[start_token, num_tokens)``: D already holds
+    the first ``start_token`` (a local prefix-cache hit, block-aligned) and the tables still start at token 0.
+    ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
+    """
+
+    transfer_id: str
+    num_tokens: int
+    lease_s: float
+    block_ids: list[int] = []
+    layer_block_ids: list[list[int]] | None = None
+    start_token: int = 0
+
+
+class LayerDone(msgspec.Struct, tag="layer_done"):
+    """P's writes of ``layer`` for this transfer have landed in D's memory (progress and metrics)."""
+
+    transfer_id: str
+    layer: int
+    bytes: int
+
+
+class Done(msgspec.Struct, tag="done"):
+    """Every write of the transfer has landed; ``num_tokens`` were covered; optional first sampled token."""
+
+    transfer_id: str
+    num_tokens: int
+    first_token: int | None = None
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Give up a transfer; the receiver stops using the blocks and answers ``Ack``.
+
+    ``failure``: True when the sender hit an error (timeout, lease, bad input, write error) rather than
+    being asked to abort; the other side then reports FAILED instead of ABORTED.
+    """
+
+    transfer_id: str
+    reason: str
+    failure: bool = False
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    """Acknowledges ``Done`` (D -> P) or ``Abort`` (either way): the sender of Ack is finished with it."""
+
+    transfer_id: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Liveness; ``sent_at`` is the sender's monotonic clock (for logs only, clocks are not compared)."""
+
+    sent_at: float
+
+
+Message = Union[Hello, HelloAck, Refused, Destinations, LayerDone, Done, Abort, Ack, Heartbeat]  # noqa: UP007
+
+
+class FrameCodec:
+    """Encodes and decodes frames for one connection; optional HMAC-SHA256 with a shared secret."""
+
+    def __init__(self, secret: bytes | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._secret = secret or None
+        self.max_frame_bytes = max_frame_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, message: Message) -> bytes:
+        """Full frame (header + optional MAC + msgpack) for ``message``."""
+        body = self._encoder.encode(message)
+        if self._secret is not None:
+            body = hmac.new(self._secret, body, hashlib.sha256).digest() + body
+        if len(body) > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {len(body)} bytes exceeds max_frame_bytes {self.max_frame_bytes}")
+        return HEADER.pack(MAGIC, len(body)) + body
+
+    def parse_header(self, header: bytes) -> int:
+        """Validate the 8-byte header; return the payload length to read next."""
+        magic, length = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic!r}: not a pd_connector control frame")
+        if length > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {length} bytes exceeds max_frame_bytes {self.max_frame_bytes}")
+        return int(length)
+
+    def decode(self, payload: bytes) -> Message:
+        """Check the MAC (when a secret is set) and decode; raise ``ProtocolError`` on any defect."""
+        if self._secret is not None:
+            mac, payload = payload[:MAC_BYTES], payload[MAC_BYTES:]
+            expected = hmac.new(self._secret, payload, hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, expected):
+                raise ProtocolError(
+                    "HMAC mismatch: peer does not share our secret (or the frame was altered)"
+                )
+        try:
+            return self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"undecodable control message: {e}") from e

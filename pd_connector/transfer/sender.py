@@ -1,0 +1,419 @@
+"""Sender (prefill, P) half of the transfer engine: the side-channel server and per-transfer push state.
+
+Runs only on the engine's I/O thread. Each decode side (D) connects to our listener, handshakes (version,
+transport, KV layout) and then sends Destinations; the adapter's ``offer``/``push_layer``/``finish`` calls
+turn into transport writes into D's memory. A transfer is reported (and its source blocks freed by the
+adapter) only once its in-flight writes drained, so P never frees blocks a write is still reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from concurrent.futures import Future
+
+from pd_connector import control
+from pd_connector.layout import BlockMapping, LayoutMismatch, check_compatible
+from pd_connector.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Destinations,
+    Done,
+    Hello,
+    HelloAck,
+    LayerDone,
+    Message,
+    ProtocolError,
+    Refused,
+)
+from pd_connector.transfer.context import EngineContext, logger
+from pd_connector.transfer.types import TransferResult, TransferState
+
+
+@dataclasses.dataclass(eq=False)
+class _Peer:
+    """A decode side connected to our listener: its transport endpoint and block mapping."""
+
+    conn: control.Connection
+    peer_id: str
+    engine_id: str
+    mapping: BlockMapping
+
+
+@dataclasses.dataclass(eq=False)
+class _Send:
+    """Sender state of one transfer."""
+
+    transfer_id: str
+    src_blocks: list[int]
+    started: float
+    state: TransferState = TransferState.WAITING
+    peer: _Peer | None = None
+    dests: Destinations | None = None
+    dest_deadline: float = float("inf")
+    intents: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
+    inflight: int = 0
+    finished_at: float | None = None
+    first_token: int | None = None
+    tokens_covered: int = 0
+    bytes: int = 0
+    done_sent: bool = False
+    exposed_s: float = 0.0
+    ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
+    decode_aborted: bool = False  # D asked to abort: answer Ack (not Abort) once drained
+    timer: asyncio.TimerHandle | None = None
+    # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
+    # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
+    runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class _Orphan:
+    """Destinations that arrived before the adapter offered the transfer."""
+
+    peer: _Peer
+    dests: Destinations
+    timer: asyncio.TimerHandle
+
+
+class Sender:
+    """P side of every transfer of one engine."""
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self.ctx = ctx
+        self.sends: dict[str, _Send] = {}
+        self.orphans: dict[str, _Orphan] = {}
+        self.peers: dict[control.Connection, _Peer] = {}
+
+    def sizes(self) -> dict[str, int]:
+        return {"sends": len(self.sends), "orphan_destinations": len(self.orphans), "peers": len(self.peers)}
+
+    def state(self, tid: str) -> TransferState | None:
+        st = self.sends.get(tid)
+        return st.state if st is not None else None
+
+    def shutdown(self) -> None:
+        for st in list(self.sends.values()):
+            self._end(st, TransferState.FAILED, "transfer engine closed")
+        for tid in list(self.orphans):
+            self._drop_orphan(tid)
+        for conn in list(self.peers):
+            conn.close("engine closed")
+
+    # ---- handshake -------------------------------------------------------------------------------------------
+    def _check_hello(self, hello: Hello) -> Refused | None:
+        ctx = self.ctx
+        if hello.version != PROTOCOL_VERSION:
+            return Refused(
+                f"protocol version mismatch: decode speaks {hello.version}, prefill {PROTOCOL_VERSION}",
+                ["version"],
+            )
+        if hello.transport != ctx.transport.name:
+            return Refused(
+                f"transport mismatch: decode uses {hello.transport!r}, prefill {ctx.transport.name!r}",
+                ["transport"],
+            )
+        if hello.layout_hash != hello.layout.compat_hash():
+            return Refused("layout_hash does not match the layout sent", ["layout_hash"])
+        try:
+            check_compatible(ctx.layout, hello.layout)
+        except LayoutMismatch as e:
+            return Refused(str(e), list(e.fields))
+        return None
+
+    async def serve_peer(self, conn: control.Connection) -> None:
+        """Handle one decode side's connection on our listener: handshake, then messages until it closes."""
+        ctx = self.ctx
+        try:
+            hello = await conn.read_message(ctx.config.connect_timeout_s)
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+        except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            ctx.count(rejected_connections=1)
+            logger.error("control: rejecting connection from %s: %r", conn.peer, e)
+            return
+        refusal = self._check_hello(hello)
+        peer_id = f"{hello.engine_id}#{conn.id}"
+        if refusal is None:
+            try:
+                attach = ctx.transport.attach(peer_id, hello.memory)
+                await asyncio.wait_for(asyncio.wrap_future(attach), ctx.config.connect_timeout_s)
+            except Exception as e:
+                ctx.transport.detach(peer_id)
+                refusal = Refused(f"cannot attach {ctx.transport.name} transport to decode memory: {e!r}")
+        if refusal is not None:
+            ctx.count(rejected_connections=1)
+            logger.error("control: refusing %s (%s): %s", hello.engine_id, conn.peer, refusal.reason)
+            conn.send(refusal)
+            return
+        peer = _Peer(conn, peer_id, hello.engine_id, BlockMapping(ctx.layout, hello.layout))
+        self.peers[conn] = peer
+        conn.on_message = self._on_message
+        conn.on_close = self._on_closed
+        conn.send(HelloAck(ctx.config.engine_id, ctx.layout.compat_hash()))
+        logger.info("control: decode %s connected from %s", hello.engine_id, conn.peer)
+        await conn.run()
+
+    def _on_closed(self, conn: control.Connection, reason: str) -> None:
+        peer = self.peers.pop(conn, None)
+        if peer is None:
+            return
+        self.ctx.transport.detach(peer.peer_id)  # fails in-flight writes into a peer we no longer trust
+        for tid in [t for t, o in self.orphans.items() if o.peer is peer]:
+            self._drop_orphan(tid)
+        for st in [s for s in self.sends.values() if s.peer is peer]:
+            st.peer = None
+            self._end(st, TransferState.FAILED, f"decode {peer.engine_id} lost: {reason}")
+
+    def _on_message(self, conn: control.Connection, msg: Message) -> None:
+        peer = self.peers[conn]
+        if isinstance(msg, Destinations):
+            self._on_destinations(peer, msg)
+        elif isinstance(msg, Ack):
+            st = self.sends.get(msg.transfer_id)
+            if st is not None and st.peer is peer and st.done_sent:
+                self._end(st, TransferState.DONE, "")
+        elif isinstance(msg, Abort):
+            self._on_abort(peer, msg)
+        else:
+            logger.error("control: unexpected %s from decode %s", type(msg).__name__, conn.peer)
+            conn.close(f"unexpected {type(msg).__name__}")
+
+    # ---- messages from D -------------------------------------------------------------------------------------
+    def _on_destinations(self, peer: _Peer, dests: Destinations) -> None:
+        tid = dests.transfer_id
+        problem = _validate(peer, dests)
+        if problem is None and (tid in self.orphans or (tid in self.sends and self.sends[tid].peer)):
+            problem = "destinations for this transfer were already given"
+        if problem is not None:
+            logger.error("transfer %s: bad destinations from %s: %s", tid, peer.engine_id, problem)
+            peer.conn.send(Abort(tid, f"prefill refused destinations: {problem}", failure=True))
+            return
+        st = self.sends.get(tid)
+        if st is None:  # D was faster than P's scheduler: keep the destinations until offer() (or lease end)
+            timer = self.ctx.loop.call_later(self.ctx.config.lease_s, self._orphan_expired, tid)
+            self.orphans[tid] = _Orphan(peer, dests, timer)
+            return
+        self._bind(st, peer, dests)
+
+    def _orphan_expired(self, tid: str) -> None:
+        orphan = self.orphans.pop(tid, None)
+        if orphan is not None:
+            self.ctx.count(expired_leases=1)
+            reason = f"prefill never offered this transfer within {self.ctx.config.lease_s} s"
+            orphan.peer.conn.send(Abort(tid, reason, failure=True))
+
+    def _drop_orphan(self, tid: str) -> None:
+        orphan = self.orphans.pop(tid, None)
+        if orphan is not None:
+            orphan.timer.cancel()
+
+    def _on_abort(self, peer: _Peer, msg: Abort) -> None:
+        tid = msg.transfer_id
+        self._drop_orphan(tid)
+        st = self.sends.get(tid)
+        if st is None or st.peer is not peer:
+            peer.conn.send(Ack(tid))  # nothing of ours writes into it
+        elif st.ending is None:
+            st.decode_aborted = True
+            state = TransferState.FAILED if msg.failure else TransferState.ABORTED
+            self._end(st, state, f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}")
+        # else: already ending; our Abort follows once drained and D takes it as the answer
+
+    # ---- adapter calls ---------------------------------------------------------------------------------------
+    def offer(self, tid: str, blocks: list[int], at: float) -> None:
+        st = self.sends.get(tid)
+        if st is None:
+            st = self.sends[tid] = _Send(tid, blocks, at)
+            orphan = self.orphans.pop(tid, None)
+            if orphan is not None:
+                orphan.timer.cancel()
+                self._bind(st, orphan.peer, orphan.dests)
+            else:
+                self._arm(st)
+            return
+        if st.ending is not None:
+            return
+        if blocks[: len(st.src_blocks)] != st.src_blocks:
+            self._end(st, TransferState.FAILED, "offer() changed already offered blocks")
+            return
+        st.src_blocks = blocks
+        self._arm(st)
+
+    def push(self, tid: str, layer: int, start: int, end: int | None) -> None:
+        st = self.sends.get(tid)
+        if st is None or st.ending is not None:
+            logger.debug("transfer %s: push of layer %d ignored (not live)", tid, layer)
+            return
+        if st.finished_at is not None:
+            self._end(st, TransferState.FAILED, "push_layer() after finish()")
+            return
+        self._arm(st)
+        if st.peer is None:
+            st.intents.append((layer, start, end))
+        else:
+            self._write(st, layer, start, end)
+
+    def finish(self, tid: str, first_token: int | None, at: float) -> None:
+        st = self.sends.get(tid)
+        if st is None or st.ending is not None or st.finished_at is not None:
+            return
+        st.finished_at, st.first_token = at, first_token
+        self._maybe_done(st)
+
+    def abort(self, tid: str, reason: str) -> None:
+        st = self.sends.get(tid)
+        if st is not None:
+            self._end(st, TransferState.ABORTED, reason)
+        orphan = self.orphans.get(tid)
+        if orphan is not None:
+            self._drop_orphan(tid)
+            orphan.peer.conn.send(Abort(tid, reason))
+
+    # ---- the per-transfer state machine ----------------------------------------------------------------------
+    def _arm(self, st: _Send) -> None:
+        """(Re)start the lease: idle ``lease_s``, never beyond the decode side's own deadline."""
+        if st.timer is not None:
+            st.timer.cancel()
+        loop = self.ctx.loop
+        st.timer = loop.call_at(
+            min(loop.time() + self.ctx.config.lease_s, st.dest_deadline), self._lease_expired, st
+        )
+
+    def _lease_expired(self, st: _Send) -> None:
+        st.timer = None
+        if self.sends.get(st.transfer_id) is st and st.ending is None:
+            self.ctx.count(expired_leases=1)
+            self._end(st, TransferState.FAILED, "lease expired", lease_expired=True)
+
+    def _bind(self, st: _Send, peer: _Peer, dests: Destinations) -> None:
+        st.peer, st.dests = peer, dests
+        st.state = TransferState.TRANSFERRING
+        st.dest_deadline = self.ctx.loop.time() + dests.lease_s
+        self._arm(st)
+        intents, st.intents = st.intents, []
+        for layer, start, end in intents:
+            self._write(st, layer, start, end)
+        self._maybe_done(st)
+
+    def _write(self, st: _Send, layer: int, start: int, end: int | None) -> None:
+        assert st.peer is not None and st.dests is not None
+        dests, ctx = st.dests, self.ctx
+        ps = ctx.layout.block_tokens
+        stop = len(st.src_blocks) if end is None else end
+        first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)
+        if first >= last:
+            return
+        per_layer = dests.layer_block_ids is not None
+        key = (first, last, layer if per_layer else -1)
+        runs = st.runs.get(key)
+        if runs is None:
+            dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
+            try:
+                runs = st.runs[key] = st.peer.mapping.runs(st.src_blocks, dst, first, last)
+            except ValueError as e:
+                self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
+                return
+        copies = st.peer.mapping.layer_copies(layer, runs)
+        st.tokens_covered = max(st.tokens_covered, last)
+        st.inflight += 1
+        started = time.monotonic()
+        future = ctx.transport.write(st.peer.peer_id, copies)
+        timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, st, future)
+        future.add_done_callback(functools.partial(ctx.io.call, self._write_done, st, layer, started, timer))
+
+    def _write_timed_out(self, st: _Send, future: Future[int]) -> None:
+        if not future.done() and st.peer is not None:
+            reason = f"write did not complete within {self.ctx.config.write_timeout_s} s"
+            logger.error("transfer %s: %s; dropping decode %s", st.transfer_id, reason, st.peer.engine_id)
+            st.peer.conn.close(reason)  # detaches the endpoint, which fails the write
+
+    def _write_done(
+        self, st: _Send, layer: int, started: float, timer: asyncio.TimerHandle, future: Future[int]
+    ) -> None:
+        timer.cancel()
+        st.inflight -= 1
+        error = future.exception()
+        if error is not None:
+            self._end(st, TransferState.FAILED, f"layer {layer} write failed: {error!r}")
+            self._maybe_ended(st)
+            return
+        n = future.result()
+        st.bytes += n
+        self.ctx.count_layer(layer, n, time.monotonic() - started)
+        if st.ending is not None or st.peer is None:
+            self._maybe_ended(st)
+            return
+        st.peer.conn.send(LayerDone(st.transfer_id, layer, n))
+        self._arm(st)
+        self._maybe_done(st)
+
+    def _maybe_done(self, st: _Send) -> None:
+        if st.peer is None or st.finished_at is None or st.inflight or st.done_sent or st.ending is not None:
+            return
+        assert st.dests is not None
+        if st.tokens_covered < st.dests.num_tokens:
+            reason = f"prefill pushed {st.tokens_covered} of the {st.dests.num_tokens} tokens decode wants"
+            self._end(st, TransferState.FAILED, reason)
+            return
+        st.exposed_s = time.monotonic() - st.finished_at
+        st.done_sent = True
+        self.ctx.count(exposed_seconds=st.exposed_s)
+        st.peer.conn.send(Done(st.transfer_id, st.tokens_covered, st.first_token))
+        self._arm(st)  # D's Ack must come within the lease
+
+    def _end(self, st: _Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
+        """Stop scheduling writes; report once the in-flight ones drained (the source blocks are free then)."""
+        if st.ending is not None:
+            return
+        st.ending = (state, reason, lease_expired)
+        st.intents.clear()
+        self._maybe_ended(st)
+
+    def _maybe_ended(self, st: _Send) -> None:
+        if st.ending is None or st.inflight or self.sends.get(st.transfer_id) is not st:
+            return
+        state, reason, lease_expired = st.ending
+        del self.sends[st.transfer_id]
+        if st.timer is not None:
+            st.timer.cancel()
+        if st.peer is not None and state is not TransferState.DONE:
+            # Decode's Abort gets our Ack; our own failure or abort gets an Abort (D answers with Ack).
+            failure = state is TransferState.FAILED
+            reply = Ack(st.transfer_id) if st.decode_aborted else Abort(st.transfer_id, reason, failure)
+            st.peer.conn.send(reply)
+        if state is TransferState.DONE:
+            self.ctx.count(transfers_sent=1)
+        self.ctx.report(
+            TransferResult(
+                st.transfer_id,
+                "send",
+                state,
+                reason,
+                num_tokens=st.tokens_covered,
+                first_token=st.first_token,
+                bytes=st.bytes,
+                duration_s=time.monotonic() - st.started,
+                exposed_s=st.exposed_s,
+                lease_expired=lease_expired,
+            )
+        )
+
+
+def _validate(peer: _Peer, dests: Destinations) -> str | None:
+    """What is wrong with D's destinations for D's own layout, or None."""
+    d = peer.mapping.decode
+    tables = dests.layer_block_ids if dests.layer_block_ids is not None else [dests.block_ids]
+    if dests.layer_block_ids is not None and len(tables) != d.num_layers:
+        return f"{len(tables)} per-layer tables for {d.num_layers} layers"
+    if dests.num_tokens <= 0 or dests.lease_s <= 0:
+        return "num_tokens and lease_s must be positive"
+    if not 0 <= dests.start_token < dests.num_tokens or dests.start_token % d.granule_tokens:
+        return f"start_token {dests.start_token} is not a granule boundary below num_tokens"
+    for table in tables:
+        if len(table) * d.block_tokens < dests.num_tokens:
+            return f"{len(table)} blocks cannot hold {dests.num_tokens} tokens"
+    return None

@@ -1,0 +1,487 @@
+"""Dependency-free data plane over plain TCP (asyncio): the fallback when ``ucxx`` is absent or configured.
+
+Receiver (D) side: ``register`` starts a listener on the configured host/port; every accepted connection is
+a ``_Inbound`` ``BufferedProtocol`` that reads each payload straight into the registered memory (no
+intermediate copy). Sender (P) side: ``attach`` opens one connection per peer; ``write`` coalesces block
+copies into spans and sends each as one frame; a ``Flush`` after the spans is answered by an ``Ack`` once the
+receiver has stored everything before it (TCP keeps order), which resolves the write future.
+
+Frame: 4-byte big-endian header length, a msgspec-msgpack header, then ``Put.length`` raw payload bytes.
+The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
+unknown region, an out-of-range span or an oversized frame drops that connection (logged) and leaves the
+others alone. All socket work runs on the transport's own I/O thread (``LoopThread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import struct
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+import msgspec
+
+from .base import BlockCopy, MemoryRegion, Transport
+from .loop_thread import LoopThread
+from .regions import RegionInfo, RegionTable, host_view, plan
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PROTOCOL_VERSION = 1
+_LEN = struct.Struct("!I")
+#: Headers are a few dozen bytes; anything larger is garbage.
+MAX_HEADER_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class TcpConfig:
+    """Settings of the TCP fallback (see docs/configuration.md ``## transport``)."""
+
+    #: Address the data listener binds to.
+    host: str = "127.0.0.1"
+    #: Port of the data listener; 0 picks a free one (the descriptor carries the real one).
+    port: int = 0
+    #: Address peers connect to; defaults to ``host`` (set it when binding 0.0.0.0).
+    advertise_host: str | None = None
+    #: Largest payload per frame in bytes; longer spans are split. Receivers drop bigger frames.
+    max_frame_bytes: int = 64 << 20
+    #: Seconds ``attach`` may take to connect and say hello.
+    connect_timeout_s: float = 10.0
+    #: SO_SNDBUF / SO_RCVBUF in bytes (0 keeps the kernel default).
+    socket_buffer_bytes: int = 4 << 20
+
+
+class TcpDescriptor(msgspec.Struct, frozen=True):
+    """What ``register`` publishes: where to connect, the token to present, and the region table."""
+
+    version: int
+    host: str
+    port: int
+    token: bytes
+    regions: list[RegionInfo]
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    version: int
+    token: bytes
+
+
+class Put(msgspec.Struct, frozen=True, tag="put"):
+    region: int
+    offset: int
+    length: int
+
+
+class Flush(msgspec.Struct, frozen=True, tag="flush"):
+    seq: int
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    seq: int
+
+
+Frame = Hello | Put | Flush | Ack
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Frame)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """Length-prefixed header (the payload of a ``Put`` follows it on the wire)."""
+    header = _encoder.encode(frame)
+    return _LEN.pack(len(header)) + header
+
+
+class FrameError(Exception):
+    """A peer sent something that is not our protocol (the connection is dropped)."""
+
+
+class _Inbound(asyncio.BufferedProtocol):
+    """One accepted data connection on the receiver; reads headers into scratch, payloads into the KV memory."""
+
+    def __init__(self, owner: TcpTransport) -> None:
+        self._owner = owner
+        self._scratch = memoryview(bytearray(MAX_HEADER_BYTES))
+        self._transport: asyncio.Transport | None = None
+        self._peer = "?"
+        self._authenticated = False
+        self._payload: memoryview | None = None
+        self._need = _LEN.size
+        self._have = 0
+        self._reading_length = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self._peer = str(transport.get_extra_info("peername"))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload is not None:
+            return self._payload[self._have :]
+        return self._scratch[self._have : self._need]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._have += nbytes
+        if self._have < self._need:
+            return
+        try:
+            self._advance()
+        except FrameError as exc:
+            self._owner.dropped_connections += 1
+            log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
+            assert self._transport is not None
+            self._transport.abort()
+
+    def _advance(self) -> None:
+        if self._payload is not None:  # payload complete
+            self._payload = None
+            self._expect_length()
+        elif self._reading_length:
+            (size,) = _LEN.unpack(self._scratch[: _LEN.size])
+            if not 0 < size <= MAX_HEADER_BYTES:
+                raise FrameError(f"header length {size} out of range")
+            self._reading_length, self._need, self._have = False, size, 0
+        else:
+            try:
+                frame = _decoder.decode(self._scratch[: self._need])
+            except msgspec.DecodeError as exc:
+                raise FrameError(f"undecodable header ({exc})") from None
+            self._handle(frame)
+
+    def _expect_length(self) -> None:
+        self._reading_length, self._need, self._have = True, _LEN.size, 0
+
+    def _handle(self, frame: Frame) -> None:
+        if not self._authenticated:
+            if not isinstance(frame, Hello):
+                raise FrameError(f"expected hello, got {type(frame).__name__}")
+            if frame.version != PROTOCOL_VERSION:
+                raise FrameError(f"protocol version {frame.version}, expected {PROTOCOL_VERSION}")
+            if not hmac.compare_digest(frame.token, self._owner.token):
+                raise FrameError("wrong token")
+            self._authenticated = True
+            self._expect_length()
+        elif isinstance(frame, Put):
+            self._payload = self._owner.destination(frame)
+            self._need, self._have = frame.length, 0
+        elif isinstance(frame, Flush):
+            assert self._transport is not None
+            self._transport.write(encode_frame(Ack(frame.seq)))
+            self._expect_length()
+        else:
+            raise FrameError(f"unexpected {type(frame).__name__} frame")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner.inbound.discard(self)
+        self._payload = None
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+
+@dataclass
+class _Job:
+    spans: list[list[int]]  # (region, src offset, dst offset, bytes)
+    nbytes: int
+    future: Future[int]
+
+
+class _Outbound:
+    """The sender's connection to one peer: a send task draining a job queue and a task reading acks."""
+
+    def __init__(self, owner: TcpTransport, peer_id: str, sock: socket.socket, remote: dict[int, RegionInfo]):
+        self.peer_id = peer_id
+        self.remote = remote
+        self._owner = owner
+        self._sock = sock
+        self._queue: asyncio.Queue[_Job] = asyncio.Queue()
+        self._pending: deque[tuple[int, _Job]] = deque()
+        self._seq = 0
+        self._sending: _Job | None = None  # taken off the queue, not yet flushed
+        self._error: Exception | None = None
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._send_loop()), loop.create_task(self._ack_loop())]
+
+    def post(self, job: _Job) -> None:
+        if self._error is not None:
+            _fail(job.future, self._error)
+        else:
+            self._queue.put_nowait(job)
+
+    async def _send_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self._owner.config.max_frame_bytes
+        try:
+            while True:
+                job = self._sending = await self._queue.get()
+                for region, src, dst, nbytes in job.spans:
+                    base = self._owner.local_view(region)
+                    for start in range(0, nbytes, limit):
+                        size = min(limit, nbytes - start)
+                        header = encode_frame(Put(region, dst + start, size))
+                        await _send_parts(loop, self._sock, [header, base[src + start : src + start + size]])
+                self._seq += 1
+                self._pending.append((self._seq, job))
+                self._sending = None
+                await _send_parts(loop, self._sock, [encode_frame(Flush(self._seq))])
+        except (OSError, RuntimeError) as exc:
+            self.fail(ConnectionError(f"tcp transport: sending to {self.peer_id} failed: {exc}"))
+
+    async def _ack_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                size = _LEN.unpack(await _recv_exactly(loop, self._sock, _LEN.size))[0]
+                if not 0 < size <= MAX_HEADER_BYTES:
+                    raise ConnectionError(f"bad ack length {size}")
+                frame = _decoder.decode(await _recv_exactly(loop, self._sock, size))
+                if not isinstance(frame, Ack) or not self._pending or self._pending[0][0] != frame.seq:
+                    raise ConnectionError(f"unexpected reply {frame!r}")
+                _, job = self._pending.popleft()
+                if not job.future.done():
+                    job.future.set_result(job.nbytes)
+        except (OSError, msgspec.DecodeError) as exc:
+            self.fail(ConnectionError(f"tcp transport: connection to {self.peer_id} lost: {exc}"))
+
+    def fail(self, error: Exception) -> None:
+        """Fail every pending and queued write, close the socket (idempotent)."""
+        if self._error is None:
+            self._error = error
+            log.warning("%s", error)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        if self._sending is not None:
+            _fail(self._sending.future, error)
+        while self._pending:
+            _fail(self._pending.popleft()[1].future, error)
+        while not self._queue.empty():
+            _fail(self._queue.get_nowait().future, error)
+        self._sock.close()
+
+
+class TcpTransport(Transport):
+    """``Transport`` over asyncio TCP; one instance per engine worker process."""
+
+    name = "tcp"
+
+    def __init__(self, config: TcpConfig | None = None) -> None:
+        self.config = config or TcpConfig()
+        self.token = secrets.token_bytes(16)
+        self.inbound: set[_Inbound] = set()
+        #: Connections dropped for protocol violations (tests and metrics read it).
+        self.dropped_connections = 0
+        self._regions = RegionTable()
+        self._views: dict[int, memoryview] = {}
+        self._outbound: dict[str, _Outbound] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._port = 0
+        self._io = LoopThread("pd-tcp-io")
+
+    # -- called from engine threads -------------------------------------------------------------------------
+    def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        self._require_open()
+        self._regions.add(regions)
+        views = {r.region_id: host_view(r.address, r.length) for r in regions}
+        self._io.submit(self._add_views(views)).result(self.config.connect_timeout_s)
+        if self._server is None:
+            self._io.submit(self._listen()).result(self.config.connect_timeout_s)
+        host = self.config.advertise_host or self.config.host
+        return msgspec.msgpack.encode(
+            TcpDescriptor(PROTOCOL_VERSION, host, self._port, self.token, self._regions.infos())
+        )
+
+    def attach(self, peer_id: str, descriptor: bytes) -> Future[None]:
+        self._require_open()
+        try:
+            desc = msgspec.msgpack.decode(descriptor, type=TcpDescriptor)
+        except msgspec.DecodeError as exc:
+            return _failed(ValueError(f"not a tcp transport descriptor: {exc}"))
+        if desc.version != PROTOCOL_VERSION:
+            return _failed(
+                ValueError(f"peer speaks tcp transport v{desc.version}, we speak v{PROTOCOL_VERSION}")
+            )
+        return self._io.submit(self._connect(peer_id, desc))
+
+    def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        future: Future[int] = Future()
+        future.set_running_or_notify_cancel()
+        if not self._io.running:
+            return _failed(RuntimeError("tcp transport is closed"))
+        self._io.call_soon(self._post, peer_id, copies, future)
+        return future
+
+    def detach(self, peer_id: str) -> None:
+        if self._io.running:
+            self._io.submit(self._detach(peer_id)).result(self.config.connect_timeout_s)
+
+    def close(self) -> None:
+        if self._io.running:
+            with contextlib.suppress(Exception):
+                self._io.submit(self._shutdown()).result(self.config.connect_timeout_s)
+            self._io.stop()
+        self._regions.clear()
+
+    def attached_peers(self) -> list[str]:
+        """Peer ids with an open data connection (tests use it to prove nothing leaks)."""
+        return list(self._outbound)
+
+    def registered_regions(self) -> list[int]:
+        """Region ids currently registered."""
+        return [r.region_id for r in self._regions.all()]
+
+    @property
+    def port(self) -> int:
+        """The data listener's port (0 before the first ``register``)."""
+        return self._port
+
+    # -- on the I/O thread -----------------------------------------------------------------------------------
+    async def _add_views(self, views: dict[int, memoryview]) -> None:
+        self._views.update(views)
+
+    async def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: self._accept(), self.config.host, self.config.port, reuse_address=True
+        )
+        self._port = self._server.sockets[0].getsockname()[1]
+        log.info("tcp transport: data listener on %s:%d", self.config.host, self._port)
+
+    def _accept(self) -> _Inbound:
+        conn = _Inbound(self)
+        self.inbound.add(conn)
+        return conn
+
+    def destination(self, put: Put) -> memoryview:
+        """Receiver side: the registered bytes a ``Put`` fills, or ``FrameError`` if it points elsewhere."""
+        view = self._views.get(put.region)
+        if view is None:
+            raise FrameError(f"put into unknown region {put.region}")
+        if not 0 < put.length <= self.config.max_frame_bytes:
+            raise FrameError(f"frame of {put.length} bytes (limit {self.config.max_frame_bytes})")
+        if put.offset < 0 or put.offset + put.length > len(view):
+            raise FrameError(f"put [{put.offset}, {put.offset + put.length}) outside region {put.region}")
+        return view[put.offset : put.offset + put.length]
+
+    def local_view(self, region: int) -> memoryview:
+        return self._views[region]
+
+    async def _connect(self, peer_id: str, desc: TcpDescriptor) -> None:
+        await self._detach(peer_id)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in desc.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.config.socket_buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.config.socket_buffer_bytes)
+        try:
+            await asyncio.wait_for(
+                loop.sock_connect(sock, (desc.host, desc.port)), self.config.connect_timeout_s
+            )
+            await loop.sock_sendall(sock, encode_frame(Hello(PROTOCOL_VERSION, desc.token)))
+        except (OSError, asyncio.TimeoutError) as exc:
+            sock.close()
+            raise ConnectionError(
+                f"tcp transport: cannot reach {peer_id} at {desc.host}:{desc.port}: {exc}"
+            ) from exc
+        self._outbound[peer_id] = _Outbound(self, peer_id, sock, {r.region_id: r for r in desc.regions})
+        log.info("tcp transport: attached %s at %s:%d", peer_id, desc.host, desc.port)
+
+    def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+        conn = self._outbound.get(peer_id)
+        if conn is None:
+            _fail(future, KeyError(f"peer {peer_id!r} is not attached"))
+            return
+        try:
+            spans, nbytes = plan(copies, self._regions, conn.remote)
+        except ValueError as exc:
+            _fail(future, exc)
+            return
+        if nbytes == 0:
+            future.set_result(0)
+            return
+        conn.post(_Job(spans.tolist(), nbytes, future))
+
+    async def _detach(self, peer_id: str) -> None:
+        conn = self._outbound.pop(peer_id, None)
+        if conn is not None:
+            conn.fail(ConnectionError(f"tcp transport: peer {peer_id} detached"))
+
+    async def _shutdown(self) -> None:
+        for peer_id in list(self._outbound):
+            await self._detach(peer_id)
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.inbound):
+            conn.abort()
+        self._views.clear()
+
+    def _require_open(self) -> None:
+        if not self._io.running:
+            raise RuntimeError("tcp transport is closed")
+
+
+async def _send_parts(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, parts: list[memoryview | bytes]
+) -> None:
+    """Gather-write ``parts`` (one ``sendmsg`` when the socket has room), awaiting writability otherwise."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:
+            sent = 0
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][sent:]
+            if len(views) == 1:
+                await loop.sock_sendall(sock, views[0])
+                return
+            await _writable(loop, sock)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def mark_ready() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock.fileno(), mark_ready)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock.fileno())
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection")
+        got += n
+    return bytes(buf)
+
+
+def _fail(future: Future[int], error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _failed(error: Exception) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_exception(error)
+    return future

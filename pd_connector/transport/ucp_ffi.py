@@ -1,0 +1,198 @@
+"""ctypes bindings for the few UCP calls ``ucxx``'s Python API does not expose: RMA with rkeys.
+
+``ucxx`` 0.52 gives us the context, worker (with its epoll fd) and worker-address endpoints, and their raw
+``ucp_*_h`` handles; memory mapping, rkey packing/unpacking, ``ucp_put_nbx`` and ``ucp_ep_flush_nbx`` come
+from the very same ``libucp`` it loaded (``libucx`` wheel), called here. Only the UCX transport's I/O thread
+calls these (the worker is single-threaded). Struct layouts follow ``ucp/api/ucp.h`` of UCX 1.21.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+_UCS_ERR_LAST = -100
+
+_MEM_MAP_FIELD_ADDRESS = 1 << 0
+_MEM_MAP_FIELD_LENGTH = 1 << 1
+_MEM_MAP_FIELD_PROT = 1 << 3
+_PROT_LOCAL_READ = 1 << 0
+_PROT_LOCAL_WRITE = 1 << 1
+_PROT_REMOTE_READ = 1 << 8
+_PROT_REMOTE_WRITE = 1 << 9
+
+_OP_ATTR_FIELD_FLAGS = 1 << 4
+_OP_ATTR_FIELD_MEMH = 1 << 8
+_OP_ATTR_FLAG_MULTI_SEND = 1 << 19
+
+
+class _MemMapParams(ctypes.Structure):
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    )
+
+
+class _RequestParam(ctypes.Structure):
+    _fields_ = (
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    )
+
+
+class UcpError(RuntimeError):
+    """A UCP call returned an error status."""
+
+    def __init__(self, what: str, status: int) -> None:
+        super().__init__(f"{what} failed: {_lib().ucs_status_string(status).decode()} ({status})")
+        self.status = status
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    global _LIB  # the process has exactly one libucp; binding it once is a cache, not state
+    if _LIB is None:
+        import libucx
+
+        libucx.load_library()
+        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+        for name, res, args in (
+            ("ucp_mem_map", ctypes.c_int, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
+            ("ucp_mem_unmap", ctypes.c_int, [vp, vp]),
+            ("ucp_rkey_pack", ctypes.c_int, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+            ("ucp_rkey_buffer_release", None, [vp]),
+            ("ucp_ep_rkey_unpack", ctypes.c_int, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
+            ("ucp_rkey_destroy", None, [vp]),
+            ("ucp_put_nbx", vp, [vp, vp, sz, u64, vp, ctypes.POINTER(_RequestParam)]),
+            ("ucp_ep_flush_nbx", vp, [vp, ctypes.POINTER(_RequestParam)]),
+            ("ucp_request_check_status", ctypes.c_int, [vp]),
+            ("ucp_request_free", None, [vp]),
+            ("ucs_status_string", ctypes.c_char_p, [ctypes.c_int]),
+        ):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _LIB = lib
+    return _LIB
+
+
+def _check(what: str, status: int) -> None:
+    if status != UCS_OK:
+        raise UcpError(what, status)
+
+
+def _status_of(ptr: int | None) -> int | None:
+    """Decode a ``ucs_status_ptr_t``: None for a live request pointer, else the (OK or error) status."""
+    if ptr is None or ptr == 0:
+        return UCS_OK
+    signed = ctypes.c_int64(ptr).value
+    if _UCS_ERR_LAST <= signed < 0:
+        return signed
+    return None
+
+
+def mem_map(context: int, address: int, length: int) -> int:
+    """Register ``length`` bytes at ``address`` for local and remote read/write; returns the memh."""
+    params = _MemMapParams(
+        field_mask=_MEM_MAP_FIELD_ADDRESS | _MEM_MAP_FIELD_LENGTH | _MEM_MAP_FIELD_PROT,
+        address=address,
+        length=length,
+        prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ | _PROT_REMOTE_WRITE,
+    )
+    memh = ctypes.c_void_p()
+    _check("ucp_mem_map", _lib().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh)))
+    assert memh.value is not None
+    return memh.value
+
+
+def mem_unmap(context: int, memh: int) -> None:
+    _check("ucp_mem_unmap", _lib().ucp_mem_unmap(context, memh))
+
+
+def rkey_pack(context: int, memh: int) -> bytes:
+    """The packed remote key peers need to write into ``memh``'s memory."""
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    _check("ucp_rkey_pack", _lib().ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size)))
+    try:
+        return ctypes.string_at(buf, size.value)
+    finally:
+        _lib().ucp_rkey_buffer_release(buf)
+
+
+def rkey_unpack(ep: int, packed: bytes) -> int:
+    rkey = ctypes.c_void_p()
+    _check("ucp_ep_rkey_unpack", _lib().ucp_ep_rkey_unpack(ep, packed, ctypes.byref(rkey)))
+    assert rkey.value is not None
+    return rkey.value
+
+
+def rkey_destroy(rkey: int) -> None:
+    _lib().ucp_rkey_destroy(rkey)
+
+
+class Poster:
+    """Posts puts and flushes on one worker; keeps one reusable parameter block per kind of call."""
+
+    def __init__(self) -> None:
+        lib = _lib()
+        self._put = lib.ucp_put_nbx
+        self._flush_fn = lib.ucp_ep_flush_nbx
+        self._free = lib.ucp_request_free
+        self._check_status = lib.ucp_request_check_status
+        self._put_params: dict[int, _RequestParam] = {}
+        self._no_params = _RequestParam()
+
+    def put(self, ep: int, local: int, nbytes: int, remote: int, rkey: int, memh: int) -> None:
+        """Post one put; the request (if any) is released at once: completion is observed by ``flush``."""
+        param = self._put_params.get(memh)
+        if param is None:
+            param = _RequestParam(
+                op_attr_mask=_OP_ATTR_FIELD_MEMH | _OP_ATTR_FIELD_FLAGS,
+                flags=_OP_ATTR_FLAG_MULTI_SEND,
+                memh=memh,
+            )
+            self._put_params[memh] = param
+        ptr = self._put(ep, local, nbytes, remote, rkey, ctypes.byref(param))
+        status = _status_of(ptr)
+        if status is None:
+            self._free(ptr)
+        elif status != UCS_OK:
+            raise UcpError("ucp_put_nbx", status)
+
+    def forget(self, memh: int) -> None:
+        self._put_params.pop(memh, None)
+
+    def flush(self, ep: int) -> int | None:
+        """Start an endpoint flush: returns a request to poll with ``request_status``, or None if done."""
+        ptr = self._flush_fn(ep, ctypes.byref(self._no_params))
+        status = _status_of(ptr)
+        if status is None:
+            return int(ptr)
+        if status != UCS_OK:
+            raise UcpError("ucp_ep_flush_nbx", status)
+        return None
+
+    def request_status(self, request: int) -> int:
+        """UCS_INPROGRESS while running; otherwise the final status (the request is then freed)."""
+        status = int(self._check_status(request))
+        if status != UCS_INPROGRESS:
+            self._free(request)
+        return status

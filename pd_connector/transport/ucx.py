@@ -1,0 +1,418 @@
+"""Data plane over UCX (``ucxx``): one-sided RMA puts into the peer's registered KV memory.
+
+Why this shape:
+- Endpoints are made from the peer's *worker address* (carried in the descriptor) with error handling off,
+  which lets UCX pick shared memory (posix + cma) between processes on one host, and tcp or RDMA (with a
+  system UCX) between hosts, as ``UCX_TLS`` allows. Listener endpoints would force tcp.
+- Puts with rkeys need no receiver CPU and no per-message receive posting; coalesced spans mean a layer is a
+  handful of puts. Completion is one ``ucp_ep_flush_nbx`` per ``write``: when it completes, the data is in
+  the peer's memory.
+- One dedicated I/O thread owns the UCX worker (single-threaded worker, no locks in UCX). It sleeps in epoll
+  on the worker's event fd plus an eventfd that engine threads poke after queueing work, so an idle transport
+  costs nothing; while flushes are outstanding it progresses and re-arms.
+- A write that is not flushed within ``write_timeout_s`` (peer dead, link gone) fails its future with
+  ``TimeoutError`` and the peer's endpoint is dropped: futures never hang. ``detach`` fails them at once.
+
+The RMA calls ``ucxx`` does not expose (mem_map, rkeys, put, flush) come from ``ucp_ffi``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from . import ucp_ffi
+from .base import BlockCopy, MemoryRegion, Transport
+from .regions import RegionInfo, RegionTable, plan
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class UcxConfig:
+    """Settings of the UCX transport (see docs/configuration.md ``## transport``)."""
+
+    #: UCX_TLS for this transport's context ("" keeps UCX's default or the UCX_TLS environment variable).
+    tls: str = ""
+    #: UCX_NET_DEVICES ("" keeps the default / environment).
+    net_devices: str = ""
+    #: Further UCX options without the ``UCX_`` prefix, e.g. {"RNDV_SCHEME": "put_zcopy"}.
+    options: dict[str, str] = field(default_factory=dict)
+    #: Seconds a write may stay unflushed before it fails and the peer's endpoint is dropped.
+    write_timeout_s: float = 30.0
+    #: Seconds ``register``/``detach``/``close`` wait for the I/O thread.
+    call_timeout_s: float = 10.0
+
+
+class UcxDescriptor(msgspec.Struct, frozen=True):
+    """What ``register`` publishes: the worker address and, per region, base address, size and rkey."""
+
+    version: int
+    worker_address: bytes
+    regions: list[RegionInfo]
+    rkeys: list[bytes]
+    #: Identity of the registering process, so a peer on the same host can watch it (pidfd) and stop
+    #: writing the moment it exits.
+    host_id: str = ""
+    pid: int = 0
+
+
+@dataclass
+class _Peer:
+    endpoint: Any  # ucxx UCXEndpoint (kept alive: its handle is what we post on)
+    handle: int
+    remote: dict[int, RegionInfo]
+    rkeys: dict[int, int]
+    pidfd: int | None = None
+
+
+def host_id() -> str:
+    """Identifies this boot of this host: same value <=> the peer's pid means the same process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass
+class _Pending:
+    peer_id: str
+    request: int | None
+    nbytes: int
+    future: Future[int]
+    deadline: float
+
+
+class UcxTransport(Transport):
+    """``Transport`` over UCX RMA; one instance per engine worker process."""
+
+    name = "ucx"
+
+    def __init__(self, config: UcxConfig | None = None) -> None:
+        from ucxx._lib import libucxx as ucx_api
+
+        self.config = config or UcxConfig()
+        # ucxx itself sets UCX_MEMTYPE_CACHE, which UCX then warns about (on stdout) unless told not to.
+        options = {"WARN_UNUSED_ENV_VARS": "n", **self.config.options}
+        if self.config.tls:
+            options["TLS"] = self.config.tls
+        if self.config.net_devices:
+            options["NET_DEVICES"] = self.config.net_devices
+        self._api = ucx_api
+        self._context = ucx_api.UCXContext(
+            options, feature_flags=(ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
+        )
+        self._worker = ucx_api.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self._address = self._worker.address.tobytes()
+        self._poster = ucp_ffi.Poster()
+        self._regions = RegionTable()
+        self._memh: dict[int, int] = {}
+        self._rkeys_packed: dict[int, bytes] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._pending: list[_Pending] = []
+        self._watched: dict[int, str] = {}  # pidfd -> peer id
+        self._broken: dict[str, Exception] = {}  # why a peer was dropped, until detach or re-attach
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
+        self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
+        self._thread.start()
+        log.info("ucx transport: worker up (tls=%s)", self.config.tls or os.environ.get("UCX_TLS", "default"))
+
+    # -- called from engine threads -------------------------------------------------------------------------
+    def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        self._regions.add(regions)
+        try:
+            self._call(lambda: self._map(regions)).result(self.config.call_timeout_s)
+        except BaseException:
+            self._regions.remove(r.region_id for r in regions)
+            raise
+        infos = self._regions.infos()
+        return msgspec.msgpack.encode(
+            UcxDescriptor(
+                PROTOCOL_VERSION,
+                self._address,
+                infos,
+                [self._rkeys_packed[i.region_id] for i in infos],
+                host_id(),
+                os.getpid(),
+            )
+        )
+
+    def attach(self, peer_id: str, descriptor: bytes) -> Future[None]:
+        try:
+            desc = msgspec.msgpack.decode(descriptor, type=UcxDescriptor)
+        except msgspec.DecodeError as exc:
+            return _failed(ValueError(f"not a ucx transport descriptor: {exc}"))
+        if desc.version != PROTOCOL_VERSION or len(desc.rkeys) != len(desc.regions):
+            return _failed(
+                ValueError(f"peer speaks ucx transport v{desc.version}, we speak v{PROTOCOL_VERSION}")
+            )
+        return self._call(lambda: self._connect(peer_id, desc))
+
+    def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        future: Future[int] = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            self._submit(lambda: self._post(peer_id, copies, future))
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return future
+
+    def detach(self, peer_id: str) -> None:
+        if self._thread.is_alive():
+            error = ConnectionError(f"ucx transport: peer {peer_id} detached")
+            self._call(lambda: self._drop(peer_id, error, quiet=True)).result(self.config.call_timeout_s)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self._shutdown).result(self.config.call_timeout_s)
+        finally:
+            self._stopping = True
+            self._wake()
+            self._thread.join(self.config.call_timeout_s)
+            self._epoll.close()
+            os.close(self._wake_fd)
+
+    def attached_peers(self) -> list[str]:
+        """Peer ids with a live endpoint (tests use it to prove nothing leaks)."""
+        return list(self._peers)
+
+    def registered_regions(self) -> list[int]:
+        """Region ids currently mapped with UCX."""
+        return sorted(self._memh)
+
+    # -- hand-over to the I/O thread -------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None]) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise RuntimeError("ucx transport is closed")
+        self._inbox.put(fn)
+        self._wake()
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        try:
+            self._submit(run)
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return future
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # closed during shutdown
+            os.eventfd_write(self._wake_fd, 1)
+
+    # -- the I/O thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        worker = self._worker
+        while not self._stopping:
+            while True:
+                try:
+                    self._inbox.get_nowait()()
+                except queue.Empty:
+                    break
+            while worker.progress_once():
+                pass
+            self._reap()
+            if not worker.arm():
+                continue  # events arrived while we were busy: progress again
+            if self._pending:
+                # Flush completion usually raises an event; the bounded wait also catches deadlines and
+                # requests that complete without one (zombies of dropped peers are polled every 5 ms).
+                soonest = min(p.deadline for p in self._pending) - time.monotonic()
+                self._wait(min(max(soonest, 0.005), 0.05))
+            else:
+                self._wait(None)  # idle: sleep until UCX or an engine thread wakes us
+
+    def _wait(self, timeout: float | None) -> None:
+        for fd, _ in self._epoll.poll(-1 if timeout is None else timeout):
+            if fd == self._wake_fd:
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_read(self._wake_fd)
+            elif fd in self._watched:
+                peer_id = self._watched[fd]
+                self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} process exited"))
+
+    def _reap(self) -> None:
+        """Resolve writes whose flush completed; time out the ones past their deadline."""
+        now = time.monotonic()
+        still: list[_Pending] = []
+        for item in self._pending:
+            if item.future.done():  # failed by detach/close; keep polling only to free the request
+                if (
+                    item.request is not None
+                    and self._poster.request_status(item.request) == ucp_ffi.UCS_INPROGRESS
+                ):
+                    still.append(item)
+                continue
+            status = ucp_ffi.UCS_OK if item.request is None else self._poster.request_status(item.request)
+            if status == ucp_ffi.UCS_OK:
+                item.future.set_result(item.nbytes)
+            elif status != ucp_ffi.UCS_INPROGRESS:
+                item.request = None
+                self._drop(
+                    item.peer_id, ConnectionError(f"ucx transport: flush to {item.peer_id} failed ({status})")
+                )
+                _fail(
+                    item.future, ConnectionError(f"ucx transport: write to {item.peer_id} failed ({status})")
+                )
+            elif now >= item.deadline:
+                self._drop(
+                    item.peer_id,
+                    TimeoutError(
+                        f"ucx transport: write to {item.peer_id} not completed in {self.config.write_timeout_s} s "
+                        "(peer dead or unreachable); endpoint dropped"
+                    ),
+                )
+                still.append(item)
+            else:
+                still.append(item)
+        self._pending = still
+
+    def _map(self, regions: Sequence[MemoryRegion]) -> None:
+        ctx = self._context.handle
+        for region in regions:
+            memh = ucp_ffi.mem_map(ctx, region.address, region.length)
+            self._memh[region.region_id] = memh
+            self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
+
+    def _connect(self, peer_id: str, desc: UcxDescriptor) -> None:
+        self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} re-attached"), quiet=True)
+        address = self._api.UCXAddress.create_from_buffer(desc.worker_address)
+        endpoint = self._api.UCXEndpoint.create_from_worker_address(self._worker, address, False)
+        handle = int(endpoint.handle)
+        rkeys: dict[int, int] = {}
+        try:
+            for info, packed in zip(desc.regions, desc.rkeys, strict=True):
+                rkeys[info.region_id] = ucp_ffi.rkey_unpack(handle, packed)
+        except ucp_ffi.UcpError:
+            for rkey in rkeys.values():
+                ucp_ffi.rkey_destroy(rkey)
+            endpoint.close()
+            raise
+        peer = _Peer(endpoint, handle, {r.region_id: r for r in desc.regions}, rkeys)
+        if desc.pid and desc.host_id == host_id():
+            try:
+                peer.pidfd = os.pidfd_open(desc.pid)
+            except OSError as exc:
+                log.warning("ucx transport: cannot watch %s (pid %d): %s", peer_id, desc.pid, exc)
+            else:
+                self._watched[peer.pidfd] = peer_id
+                self._epoll.register(peer.pidfd, select.EPOLLIN)
+        self._peers[peer_id] = peer
+        log.info("ucx transport: attached %s (%d regions)", peer_id, len(rkeys))
+
+    def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+        if self._watched:
+            self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            _fail(future, self._broken.get(peer_id) or KeyError(f"peer {peer_id!r} is not attached"))
+            return
+        try:
+            spans, nbytes = plan(copies, self._regions, peer.remote)
+            missing = set(spans[:, 0].tolist()) - self._memh.keys()
+            if missing:
+                raise ValueError(f"regions {sorted(missing)} are not registered locally")
+        except ValueError as exc:
+            _fail(future, exc)
+            return
+        put, ep, memh, rkeys = self._poster.put, peer.handle, self._memh, peer.rkeys
+        local_base = {r: self._regions_base(r) for r in memh}
+        try:
+            for region, src, dst, size in spans.tolist():
+                put(
+                    ep,
+                    local_base[region] + src,
+                    size,
+                    peer.remote[region].address + dst,
+                    rkeys[region],
+                    memh[region],
+                )
+            request = self._poster.flush(ep)
+        except ucp_ffi.UcpError as exc:
+            self._drop(peer_id, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
+            _fail(future, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
+            return
+        self._pending.append(
+            _Pending(peer_id, request, nbytes, future, time.monotonic() + self.config.write_timeout_s)
+        )
+
+    def _regions_base(self, region_id: int) -> int:
+        region = self._regions.get(region_id)
+        assert region is not None
+        return region.address
+
+    def _drop(self, peer_id: str, error: Exception, quiet: bool = False) -> None:
+        """Fail the peer's outstanding writes, destroy its rkeys and close its endpoint (idempotent)."""
+        for item in self._pending:
+            if item.peer_id == peer_id:
+                _fail(item.future, error)
+        peer = self._peers.pop(peer_id, None)
+        if quiet:
+            self._broken.pop(peer_id, None)
+        else:
+            self._broken[peer_id] = error
+        if peer is None:
+            return
+        if not quiet:
+            log.warning("%s", error)
+        if peer.pidfd is not None:
+            self._watched.pop(peer.pidfd, None)
+            self._epoll.unregister(peer.pidfd)
+            os.close(peer.pidfd)
+        for rkey in peer.rkeys.values():
+            ucp_ffi.rkey_destroy(rkey)
+        peer.endpoint.close()
+
+    def _shutdown(self) -> None:
+        for peer_id in list(self._peers):
+            self._drop(peer_id, ConnectionError("ucx transport closed"), quiet=True)
+        for item in self._pending:
+            _fail(item.future, ConnectionError("ucx transport closed"))
+        ctx = self._context.handle
+        for region_id in list(self._memh):
+            memh = self._memh.pop(region_id)
+            self._poster.forget(memh)
+            ucp_ffi.mem_unmap(ctx, memh)
+        self._rkeys_packed.clear()
+        self._regions.clear()
+
+
+def _fail(future: Future[Any], error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _failed(error: Exception) -> Future[None]:
+    future: Future[None] = Future()
+    future.set_exception(error)
+    return future

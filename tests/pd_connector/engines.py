@@ -1,0 +1,120 @@
+"""Helpers shared by the transfer-engine tests: KV buffers in numpy, engine pairs, waiting for results."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+import numpy as np
+
+from pd_connector.layout import KVLayout
+from pd_connector.transfer import TransferConfig, TransferEngine, TransferResult, TransferState
+from pd_connector.transport.base import Transport
+
+#: Scheduling slack added to every "ends within its timeout" bound: the machine is shared and loaded.
+SLACK_S = 2.0
+
+SMALL = KVLayout(
+    num_layers=3,
+    block_tokens=4,
+    num_kv_heads=2,
+    head_dim=4,
+    dtype="float16",
+    kv_split=False,
+    token_major=False,
+)
+
+
+class KVCache:
+    """One process's KV cache: a numpy buffer per (layer, K/V) region, filled with distinct bytes."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, seed: int | None) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        n = layout.num_layers * layout.buffers_per_layer
+        if seed is None:
+            self.arrays = [np.zeros(num_blocks * layout.block_bytes, np.uint8) for _ in range(n)]
+        else:
+            rng = np.random.default_rng(seed)
+            self.arrays = [rng.integers(0, 256, num_blocks * layout.block_bytes, np.uint8) for _ in range(n)]
+
+    def buffers(self) -> list[tuple[int, int]]:
+        return [(a.ctypes.data, a.nbytes) for a in self.arrays]
+
+    def tokens(self, region: int, blocks: list[int], num_tokens: int) -> bytes:
+        """The bytes of the first ``num_tokens`` tokens stored in ``blocks`` (token order) of a region.
+
+        Works for any in-block order by reading token t's slice head by head.
+        """
+        lay, arr = self.layout, self.arrays[region]
+        per_head = lay.token_bytes // lay.num_kv_heads
+        out = bytearray()
+        for t in range(num_tokens):
+            base = blocks[t // lay.block_tokens] * lay.block_bytes
+            slot = t % lay.block_tokens
+            for h in range(lay.num_kv_heads):
+                if lay.token_major:
+                    off = base + (slot * lay.num_kv_heads + h) * per_head
+                else:
+                    off = base + (h * lay.block_tokens + slot) * per_head
+                out += arr[off : off + per_head].tobytes()
+        return bytes(out)
+
+
+def make_engine(
+    cache: KVCache, transport: Transport, listen: bool, name: str | None = None, **config: object
+) -> TransferEngine:
+    config.setdefault("listen_port", 0 if listen else None)
+    cfg = TransferConfig(engine_id=name or uuid.uuid4().hex[:8], **config)  # type: ignore[arg-type]
+    return TransferEngine(cfg, cache.layout, cache.buffers(), transport)
+
+
+def addr(engine: TransferEngine) -> str:
+    """The side-channel address of a listening engine."""
+    assert engine.address is not None
+    return engine.address
+
+
+@contextmanager
+def closing(*engines: TransferEngine) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for e in engines:
+            with suppress(Exception):
+                e.close()
+
+
+def wait_results(engine: TransferEngine, ids: set[str], timeout_s: float = 10.0) -> dict[str, TransferResult]:
+    """Poll until every id in ``ids`` was reported; fail the test on timeout."""
+    got: dict[str, TransferResult] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(got) != ids:
+        for r in engine.poll():
+            assert r.transfer_id in ids, f"unexpected result {r}"
+            assert r.transfer_id not in got, f"reported twice: {r}"
+            got[r.transfer_id] = r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {ids - set(got)}; got {got}")
+        time.sleep(0.005)
+    return got
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def assert_no_state(*engines: TransferEngine) -> None:
+    for e in engines:
+        sizes = e.table_sizes()
+        leaks = {k: v for k, v in sizes.items() if k not in ("links", "peers") and v}
+        assert not leaks, f"{e.config.engine_id} leaked {leaks}"
+
+
+DONE = TransferState.DONE

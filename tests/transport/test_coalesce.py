@@ -1,0 +1,78 @@
+"""Coalescing of block copies into runs (pure planning, no transport)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd_connector.transport.base import BlockCopy
+from pd_connector.transport.coalesce import check_bounds, coalesce, coalesce_runs
+
+pytestmark = pytest.mark.unit
+
+
+def test_contiguous_blocks_become_one_run() -> None:
+    copies = [BlockCopy(0, s, 100 + s) for s in range(256)]
+    assert coalesce(copies) == [BlockCopy(0, 0, 100, 256)]
+
+
+def test_runs_break_where_either_side_jumps_and_per_region() -> None:
+    copies = [
+        BlockCopy(1, 5, 9),
+        BlockCopy(0, 0, 0),
+        BlockCopy(0, 1, 1),
+        BlockCopy(0, 2, 7),  # destination jumps
+        BlockCopy(0, 4, 8),  # source jumps
+        BlockCopy(1, 6, 10),
+    ]
+    assert coalesce(copies) == [
+        BlockCopy(0, 0, 0, 2),
+        BlockCopy(0, 2, 7, 1),
+        BlockCopy(0, 4, 8, 1),
+        BlockCopy(1, 5, 9, 2),
+    ]
+
+
+def test_unsorted_input_and_existing_runs_merge() -> None:
+    copies = [BlockCopy(0, 4, 14, 4), BlockCopy(0, 0, 10, 2), BlockCopy(0, 2, 12, 2)]
+    assert coalesce(copies) == [BlockCopy(0, 0, 10, 8)]
+
+
+def test_empty_and_invalid_input() -> None:
+    assert coalesce([]) == []
+    with pytest.raises(ValueError, match="num_blocks"):
+        coalesce([BlockCopy(0, 0, 0, 0)])
+    with pytest.raises(ValueError, match="written twice"):
+        coalesce([BlockCopy(0, 0, 5, 2), BlockCopy(0, 9, 6)])
+
+
+def test_bounds_are_checked_on_both_sides() -> None:
+    runs = coalesce_runs([BlockCopy(0, 0, 6, 2)])
+    check_bounds(runs, {0: 2}, {0: 8})
+    with pytest.raises(ValueError, match="reaches block 7"):
+        check_bounds(runs, {0: 2}, {0: 7})
+    with pytest.raises(ValueError, match="remote side"):
+        check_bounds(runs, {0: 2}, {1: 8})
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_coalesced_runs_cover_exactly_the_input(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 200))
+    src = data.draw(st.permutations(range(n)))
+    dst = data.draw(st.permutations(range(n)))
+    region = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    copies = [BlockCopy(r, s, d) for r, s, d in zip(region, src, dst, strict=True)]
+    runs = coalesce(copies)
+    expanded = {(c.region_id, c.src_block + i, c.dst_block + i) for c in runs for i in range(c.num_blocks)}
+    assert expanded == {(c.region_id, c.src_block, c.dst_block) for c in copies}
+    # maximal: no two runs could be merged further
+    table = np.array([(c.region_id, c.src_block, c.dst_block, c.num_blocks) for c in runs])
+    follows = (
+        (table[1:, 0] == table[:-1, 0])
+        & (table[1:, 1] == table[:-1, 1] + table[:-1, 3])
+        & (table[1:, 2] == table[:-1, 2] + table[:-1, 3])
+    )
+    assert not follows.any()
