@@ -22,7 +22,7 @@ import secrets
 import socket
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -40,6 +40,11 @@ PROTOCOL_VERSION = 1
 _LEN = struct.Struct("!I")
 #: Headers are a few dozen bytes; anything larger is garbage.
 MAX_HEADER_BYTES = 1024
+#: Receive buffer for headers and small payloads (bigger payloads are read straight into place).
+SCRATCH_BYTES = 256 << 10
+#: Small frames are gathered into one sendmsg of up to this many bytes / buffers.
+BATCH_BYTES = 1 << 20
+BATCH_PARTS = 512
 
 
 @dataclass(frozen=True)
@@ -105,58 +110,81 @@ class FrameError(Exception):
 
 
 class _Inbound(asyncio.BufferedProtocol):
-    """One accepted data connection on the receiver; reads headers into scratch, payloads into the KV memory."""
+    """One accepted data connection on the receiver.
+
+    Reads go into a scratch buffer while frames are small, so one ``recv`` carries many 4 KiB frames (their
+    payloads are then copied into place); once a payload is under way and nothing else is buffered, reads go
+    straight into the registered destination memory, so large spans cost no extra copy.
+    """
 
     def __init__(self, owner: TcpTransport) -> None:
         self._owner = owner
-        self._scratch = memoryview(bytearray(MAX_HEADER_BYTES))
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._start = 0  # unparsed bytes are scratch[start:end]
+        self._end = 0
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._authenticated = False
-        self._payload: memoryview | None = None
-        self._need = _LEN.size
-        self._have = 0
-        self._reading_length = True
+        self._payload: memoryview | None = None  # what remains to fill of the current Put
+        self._direct = False  # the last get_buffer handed out the payload itself
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         self._peer = str(transport.get_extra_info("peername"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._payload is not None:
-            return self._payload[self._have :]
-        return self._scratch[self._have : self._need]
+        if self._payload is not None and self._start == self._end:
+            self._direct = True
+            return self._payload
+        self._direct = False
+        if self._end == len(self._scratch):  # compact: keep only the unparsed tail
+            tail = self._end - self._start
+            self._scratch[:tail] = self._scratch[self._start : self._end]
+            self._start, self._end = 0, tail
+        return self._scratch[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._have += nbytes
-        if self._have < self._need:
+        if self._direct:
+            assert self._payload is not None
+            self._payload = self._payload[nbytes:] if nbytes < len(self._payload) else None
             return
+        self._end += nbytes
         try:
-            self._advance()
+            self._parse()
         except FrameError as exc:
             self._owner.dropped_connections += 1
             log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
             assert self._transport is not None
             self._transport.abort()
 
-    def _advance(self) -> None:
-        if self._payload is not None:  # payload complete
-            self._payload = None
-            self._expect_length()
-        elif self._reading_length:
-            (size,) = _LEN.unpack(self._scratch[: _LEN.size])
+    def _parse(self) -> None:
+        """Consume every complete header and buffered payload byte in scratch."""
+        buf = self._scratch
+        while True:
+            if self._payload is not None:
+                take = min(len(self._payload), self._end - self._start)
+                self._payload[:take] = buf[self._start : self._start + take]
+                self._start += take
+                self._payload = self._payload[take:] if take < len(self._payload) else None
+                if self._payload is not None:
+                    break
+                continue
+            if self._end - self._start < _LEN.size:
+                break
+            (size,) = _LEN.unpack(buf[self._start : self._start + _LEN.size])
             if not 0 < size <= MAX_HEADER_BYTES:
                 raise FrameError(f"header length {size} out of range")
-            self._reading_length, self._need, self._have = False, size, 0
-        else:
+            if self._end - self._start < _LEN.size + size:
+                break
+            header = buf[self._start + _LEN.size : self._start + _LEN.size + size]
+            self._start += _LEN.size + size
             try:
-                frame = _decoder.decode(self._scratch[: self._need])
+                frame = _decoder.decode(header)
             except msgspec.DecodeError as exc:
                 raise FrameError(f"undecodable header ({exc})") from None
             self._handle(frame)
-
-    def _expect_length(self) -> None:
-        self._reading_length, self._need, self._have = True, _LEN.size, 0
+        if self._start == self._end:
+            self._start = self._end = 0
 
     def _handle(self, frame: Frame) -> None:
         if not self._authenticated:
@@ -167,14 +195,11 @@ class _Inbound(asyncio.BufferedProtocol):
             if not hmac.compare_digest(frame.token, self._owner.token):
                 raise FrameError("wrong token")
             self._authenticated = True
-            self._expect_length()
         elif isinstance(frame, Put):
             self._payload = self._owner.destination(frame)
-            self._need, self._have = frame.length, 0
         elif isinstance(frame, Flush):
             assert self._transport is not None
             self._transport.write(encode_frame(Ack(frame.seq)))
-            self._expect_length()
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame")
 
@@ -218,22 +243,34 @@ class _Outbound:
 
     async def _send_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        limit = self._owner.config.max_frame_bytes
         try:
             while True:
                 job = self._sending = await self._queue.get()
-                for region, src, dst, nbytes in job.spans:
-                    base = self._owner.local_view(region)
-                    for start in range(0, nbytes, limit):
-                        size = min(limit, nbytes - start)
-                        header = encode_frame(Put(region, dst + start, size))
-                        await _send_parts(loop, self._sock, [header, base[src + start : src + start + size]])
+                batch: list[memoryview | bytes] = []
+                batch_bytes = 0
+                for part in self._frames(job):
+                    batch.append(part)
+                    batch_bytes += len(part)
+                    if batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_PARTS:
+                        await _send_parts(loop, self._sock, batch)
+                        batch, batch_bytes = [], 0
                 self._seq += 1
                 self._pending.append((self._seq, job))
                 self._sending = None
-                await _send_parts(loop, self._sock, [encode_frame(Flush(self._seq))])
+                batch.append(encode_frame(Flush(self._seq)))
+                await _send_parts(loop, self._sock, batch)
         except (OSError, RuntimeError) as exc:
             self.fail(ConnectionError(f"tcp transport: sending to {self.peer_id} failed: {exc}"))
+
+    def _frames(self, job: _Job) -> Iterator[memoryview | bytes]:
+        """Header and payload view of every frame of ``job`` (spans cut at ``max_frame_bytes``)."""
+        limit = self._owner.config.max_frame_bytes
+        for region, src, dst, nbytes in job.spans:
+            base = self._owner.local_view(region)
+            for start in range(0, nbytes, limit):
+                size = min(limit, nbytes - start)
+                yield encode_frame(Put(region, dst + start, size))
+                yield base[src + start : src + start + size]
 
     async def _ack_loop(self) -> None:
         loop = asyncio.get_running_loop()
