@@ -276,13 +276,11 @@ def _abandon(url: str, path: str, payload: dict[str, Any], after_s: float) -> No
 
 
 def test_corrupted_transfer_changes_output(honest: Cluster) -> None:
-    """Negative control: P sends zeros instead of the KV (test-only flag) and D's output changes, so D
-    really decodes from the transferred bytes; the same prompts without the flag match the reference."""
+    """Negative control: P zeroes the KV it pushes (test-only flag) and D's output changes, so D really
+    decodes from the transferred bytes. (D caches what it received: these prompts are used only here.)"""
     for n in (100, 257, 600):
         prompt = tokens(n, seed=9000 + n)
-        reference = honest.reference(prompt)
-        assert honest.disaggregated(prompt, corrupt=True) != reference, f"{n} tokens"
-        assert honest.disaggregated(prompt) == reference, f"{n} tokens"
+        assert honest.disaggregated(prompt, corrupt=True) != honest.reference(prompt), f"{n} tokens"
 
 
 def test_random_aborts_release_all_blocks(honest: Cluster) -> None:

@@ -63,6 +63,7 @@ class PDConnector(KVConnectorBase_V1):
                 raise ValueError("PDConnector worker needs the KV cache config")
             self._worker = WorkerSide(
                 self._config,
+                str(transfer.engine_id),
                 block_size,
                 kv_cache_config.num_blocks,
                 producer=transfer.is_kv_producer,
@@ -107,7 +108,7 @@ class PDConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        self._work.save_kv_layer(self._meta(), layer_name)
+        self._work.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         self._work.wait_for_save(self._meta())

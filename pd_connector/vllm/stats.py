@@ -27,6 +27,7 @@ COUNTERS = (
     "transfers_received",
     "failures",
     "expired_leases",
+    "write_seconds",
 )
 SERIES = ("transfer_s", "exposed_s", "load_s")
 
@@ -88,6 +89,11 @@ class StatsRecorder:
         with self._lock:
             self._data["failures"] += 1
 
+    def write_time(self, seconds: float) -> None:
+        """P: time the data plane spent on layer writes (overlapping writes count each)."""
+        with self._lock:
+            self._data["write_seconds"] += seconds
+
     def expired_lease(self) -> None:
         with self._lock:
             self._data["expired_leases"] += 1
@@ -106,9 +112,10 @@ _COUNTER_HELP = {
     "transfers_received": "Transfers D completed.",
     "failures": "Transfers that failed (peer died, timeout, refused).",
     "expired_leases": "P transfers whose lease expired before D acknowledged (blocks freed).",
+    "write_seconds": "P: seconds spent writing layers to decode nodes (summed over writes).",
 }
 _HISTOGRAM_HELP = {
-    "transfer_s": "P: seconds from the first layer push to Done.",
+    "transfer_s": "P: seconds from the first offer (start of the prefill) until D acknowledged.",
     "exposed_s": "P: seconds from the end of the last prefill step to Done (not hidden behind compute).",
     "load_s": "D: seconds from the start of a load to the last byte received.",
 }

@@ -121,7 +121,11 @@ def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
     side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
     specs: list[SendSpec] = []
-    for step_blocks, computed, scheduled in (([0, 1], 0, 64), ([0, 1, 2, 3], 64, 64), ([0, 1, 2, 3, 4], 128, 64)):
+    for step_blocks, computed, scheduled in (
+        ([0, 1], 0, 64),
+        ([0, 1, 2, 3], 64, 64),
+        ([0, 1, 2, 3, 4], 128, 64),
+    ):
         manager.blocks["p1"] = step_blocks
         req.num_computed_tokens = computed
         (spec,) = side.build_connector_meta(FakeOutput({"p1": scheduled, "other": 5})).sends  # type: ignore[arg-type]
