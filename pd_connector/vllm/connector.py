@@ -114,7 +114,8 @@ class PDConnector(KVConnectorBase_V1):
         self._work.wait_for_save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._work.transfer_results()
+        meta = self._meta() if self.has_connector_metadata() else None
+        sending, recving, failed = self._work.transfer_results(meta)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )

@@ -64,12 +64,15 @@ class PDConnectorMetadata(KVConnectorMetadata):
         recvs: list[RecvSpec] | None = None,
         finished_sends: list[FinishedSend] | None = None,
         aborted_recvs: list[str] | None = None,
+        idle_step: bool = False,
     ) -> None:
         self.sends: list[SendSpec] = sends or []
         self.recvs: list[RecvSpec] = recvs or []
         self.finished_sends: list[FinishedSend] = finished_sends or []
         #: D request ids whose load must stop (request aborted while waiting for KV).
         self.aborted_recvs: list[str] = aborted_recvs or []
+        #: The step schedules no tokens: vLLM only polls transfers (it spins while any are pending).
+        self.idle_step = idle_step
 
     def __repr__(self) -> str:
         return (

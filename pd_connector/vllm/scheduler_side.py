@@ -156,6 +156,7 @@ class SchedulerSide:
             recvs=self._pending_recvs,
             finished_sends=self._pending_finished,
             aborted_recvs=self._pending_aborts,
+            idle_step=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._pending_recvs, self._pending_finished, self._pending_aborts = [], [], []
         return meta

@@ -15,6 +15,7 @@ blocks of finished requests only); one that ended early (D gone) is no longer fe
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 import torch
@@ -25,6 +26,9 @@ from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
+
+#: Pause of an idle engine step while transfers are pending (bounds the spin; adds at most this latency).
+IDLE_STEP_PAUSE_S = 0.005
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -196,8 +200,17 @@ class WorkerSide:
 
     # ---- both ----
 
-    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        """``(finished_sending, finished_recving, failed_recving)`` since the last call."""
+    def transfer_results(
+        self, meta: PDConnectorMetadata | None = None
+    ) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call.
+
+        vLLM keeps stepping while transfers are pending, even with nothing to compute (D waiting for KV, P
+        holding blocks for D's ack): a busy loop of EngineCore and worker that would take CPU from the
+        prefill on the other core. On such idle steps the worker pauses ``IDLE_STEP_PAUSE_S`` first.
+        """
+        if meta is not None and meta.idle_step and (self._recv_req or self._send_req):
+            time.sleep(IDLE_STEP_PAUSE_S)
         recving: set[str] = set(self._recv_failed_at_start)
         failed: set[str] = set(self._recv_failed_at_start)
         self._recv_failed_at_start.clear()

@@ -47,6 +47,10 @@ class FakeManager:
 class FakeOutput:
     num_scheduled_tokens: dict[str, int]
 
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
 
 def decode_params(transfer_id: str = "t1") -> dict[str, Any]:
     return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": ADDR}
@@ -188,3 +192,11 @@ def test_specs_survive_msgspec() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=SendSpec) == spec
     recv = RecvSpec("d1", "T", ADDR, [3], 0, 10)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(recv), type=RecvSpec) == recv
+
+
+def test_idle_steps_are_marked() -> None:
+    """The worker throttles vLLM's busy loop only on steps that compute nothing."""
+    side, manager = make_side()
+    manager.blocks["p1"] = [1]
+    assert side.build_connector_meta(FakeOutput({})).idle_step is True  # type: ignore[arg-type]
+    assert side.build_connector_meta(FakeOutput({"x": 3})).idle_step is False  # type: ignore[arg-type]
