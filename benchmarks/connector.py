@@ -109,7 +109,7 @@ def ttft_pd(p_url: str, d_url: str, bootstrap: str, body: dict[str, Any]) -> flo
     return ttft
 
 
-def ttft_standard(p_url: str, d_url: str, body: dict[str, Any]) -> float:
+def ttft_standard(p_url: str, d_url: str, body: dict[str, Any], timeout_s: float = 600.0) -> float:
     t0 = time.perf_counter()
     p_answer = pd_client.post_json(
         p_url + "/v1/completions",
@@ -124,7 +124,7 @@ def ttft_standard(p_url: str, d_url: str, body: dict[str, Any]) -> float:
                 "remote_port": None,
             },
         ),
-        600,
+        timeout_s,
     )
     params = p_answer.get("kv_transfer_params")
     if not params:
@@ -189,6 +189,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--nixl-timeout-s", type=float, default=180.0, help="per NIXL request (it can hang)")
     args = parser.parse_args()
     if not MODEL.exists():
         raise SystemExit(f"bench model missing: {MODEL} (build it with pd-tiny-model --preset bench)")
@@ -240,11 +241,12 @@ def main() -> None:
         pd_servers, lambda p, d: {**measure_pd(p, d), "idle": idle_cpu_percent(pd_servers, args.idle_s)}
     )
 
-    nixl_cfg = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    nixl_p = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    nixl_d = {**nixl_p, "kv_role": "kv_consumer"}
     nixl_servers = pair(
         "nixl",
-        nixl_cfg,
-        nixl_cfg,
+        nixl_p,
+        nixl_d,
         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         max_len,
@@ -252,43 +254,53 @@ def main() -> None:
 
     def measure_nixl(p_url: str, d_url: str) -> dict[str, Any]:
         log("NIXL pair up; warm-up")
-        ttft_standard(p_url, d_url, bodies.pop())
-        ttfts, xfer = [], []
-        for rep in range(args.reps):
-            x0 = metric(d_url, "vllm:nixl_xfer_time_seconds_sum")
-            ttfts.append(ttft_standard(p_url, d_url, bodies.pop()))
-            time.sleep(1.5)
-            xfer.append(metric(d_url, "vllm:nixl_xfer_time_seconds_sum") - x0)
-            log(f"rep {rep}: nixl {ttfts[-1]:.3f}s transfer {xfer[-1]:.4f}s")
-        return {"nixl": ttfts, "xfer": xfer, "idle": idle_cpu_percent(nixl_servers, args.idle_s)}
+        ttfts: list[float] = []
+        xfer: list[float] = []
+        error = ""
+        try:
+            ttft_standard(p_url, d_url, bodies.pop(), args.nixl_timeout_s)
+            for rep in range(args.reps):
+                x0 = metric(d_url, "vllm:nixl_xfer_time_seconds_sum")
+                ttfts.append(ttft_standard(p_url, d_url, bodies.pop(), args.nixl_timeout_s))
+                time.sleep(1.5)
+                xfer.append(metric(d_url, "vllm:nixl_xfer_time_seconds_sum") - x0)
+                log(f"rep {rep}: nixl {ttfts[-1]:.3f}s transfer {xfer[-1]:.4f}s")
+        except (OSError, RuntimeError) as exc:  # a hung or failing NIXL pair is a result, not a crash
+            error = f"{type(exc).__name__}: {exc}"
+            log(f"NIXL failed: {error}")
+        return {
+            "nixl": ttfts,
+            "xfer": xfer,
+            "error": error,
+            "idle": idle_cpu_percent(nixl_servers, args.idle_s),
+        }
 
     nixl_res = run_pair(nixl_servers, measure_nixl)
 
-    med = statistics.median
+    def ms(values: list[float], digits: int) -> float | None:
+        return round(1000 * statistics.median(values), digits) if values else None
+
     results["ttft_ms"] = {
-        "colocated": round(1000 * med(pd_res["colo"]), 1),
-        "pd": round(1000 * med(pd_res["pd"]), 1),
-        "nixl": round(1000 * med(nixl_res["nixl"]), 1),
+        "colocated": ms(pd_res["colo"], 1),
+        "pd": ms(pd_res["pd"], 1),
+        "nixl": ms(nixl_res["nixl"], 1),
     }
-    results["transfer_ms"] = {
-        "pd": round(1000 * med(pd_res["write"]), 2),
-        "nixl": round(1000 * med(nixl_res["xfer"]), 2),
-    }
-    results["exposed_transfer_ms"] = {
-        "pd": round(1000 * med(pd_res["exposed"]), 2),
-        "nixl": round(1000 * med(nixl_res["xfer"]), 2),
-    }
+    results["transfer_ms"] = {"pd": ms(pd_res["write"], 2), "nixl": ms(nixl_res["xfer"], 2)}
+    results["exposed_transfer_ms"] = {"pd": ms(pd_res["exposed"], 2), "nixl": ms(nixl_res["xfer"], 2)}
     results["idle_cpu_percent"] = {"pd": round(pd_res["idle"], 2), "nixl": round(nixl_res["idle"], 2)}
+    ttft = results["ttft_ms"]
+    write_s = statistics.median(pd_res["write"])
     results["ratios"] = {
-        "pd_over_nixl": round(results["ttft_ms"]["pd"] / results["ttft_ms"]["nixl"], 3),
-        "pd_over_colocated": round(results["ttft_ms"]["pd"] / results["ttft_ms"]["colocated"], 3),
-        "pd_exposed_fraction": round(med(pd_res["exposed"]) / max(med(pd_res["write"]), 1e-9), 3),
+        "pd_over_nixl": round(ttft["pd"] / ttft["nixl"], 3) if ttft["nixl"] else None,
+        "pd_over_colocated": round(ttft["pd"] / ttft["colocated"], 3),
+        "pd_exposed_fraction": round(statistics.median(pd_res["exposed"]) / write_s, 3) if write_s else None,
     }
     results["conditions"] = {
         "prompt_tokens": args.prompt_tokens,
         "reps": args.reps,
         "transport": args.transport,
         "pd_failures": pd_res["failures"],
+        "nixl_error": nixl_res["error"],
     }
     print(json.dumps(results))
 
