@@ -29,8 +29,9 @@ from pd_disagg.servers import ManagedServer, free_port
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 12
 CHUNK = 64  # P's max-num-batched-tokens: every prompt above it is prefilled in several chunks
-LEASE_S = 4.0
-D_LOAD_TIMEOUT_S = 5.0
+# Generous for a loaded 2-core machine: P (64-token chunks) may queue 16 prompts for several seconds.
+LEASE_S = 12.0
+D_LOAD_TIMEOUT_S = 20.0
 VOCAB = 1900  # token ids drawn below the tiny model's vocabulary size
 
 
@@ -238,15 +239,24 @@ def test_vllm_standard_flow(honest: Cluster) -> None:
 def test_sixteen_concurrent_requests(honest: Cluster) -> None:
     prompts = [tokens(60 + 37 * i, seed=2000 + i) for i in range(16)]
     references = [honest.reference(p) for p in prompts]
+    failures = metric(honest.d_url, "vllm:pd_connector_failures_total")
+    received = metric(honest.d_url, "vllm:pd_connector_transfers_received_total")
     with ThreadPoolExecutor(16) as pool:
         outputs = list(pool.map(honest.disaggregated, prompts))
     assert outputs == references
+    wait_until(
+        lambda: metric(honest.d_url, "vllm:pd_connector_transfers_received_total") >= received + 16,
+        15,
+        "all 16 prompts loaded from P (none recomputed)",
+    )
+    assert metric(honest.d_url, "vllm:pd_connector_failures_total") == failures
     wait_until(lambda: blocks_idle(honest.p_url) and blocks_idle(honest.d_url), 15, "blocks freed")
 
 
 def test_decode_metrics_show_external_transfer(honest: Cluster) -> None:
     """D counts the prompt as external (P2P) cache hits, and the connector's own byte counters agree."""
     d_hits = metric(honest.d_url, "vllm:external_prefix_cache_hits_total")
+    failures = metric(honest.d_url, "vllm:pd_connector_failures_total")
     d_bytes = metric(honest.d_url, "vllm:pd_connector_bytes_received_total")
     p_bytes = metric(honest.p_url, "vllm:pd_connector_bytes_sent_total")
     prompt = tokens(500, seed=3000)
@@ -263,7 +273,7 @@ def test_decode_metrics_show_external_transfer(honest: Cluster) -> None:
     # Tiny model, float32: 4 layers x 2 KV heads x (64 K + 64 V) x 4 B per token; whole blocks at least.
     received = metric(honest.d_url, "vllm:pd_connector_bytes_received_total") - d_bytes
     assert received >= (len(prompt) // 32) * 32 * 4 * 2 * 128 * 4
-    assert metric(honest.d_url, "vllm:pd_connector_failures_total") == 0
+    assert metric(honest.d_url, "vllm:pd_connector_failures_total") == failures
 
 
 def _abandon(url: str, path: str, payload: dict[str, Any], after_s: float) -> None:
@@ -339,7 +349,7 @@ def test_lease_expiry_frees_prefill_blocks(honest: Cluster) -> None:
     # Connector stats reach /metrics with the engine's next output: an idle engine needs one more request.
     honest.reference(tokens(3, seed=5001))
     wait_until(
-        lambda: metric(honest.p_url, "vllm:pd_connector_expired_leases_total") == expired + 1,
+        lambda: metric(honest.p_url, "vllm:pd_connector_expired_leases_total") >= expired + 1,
         10,
         "expired-lease counter",
     )
