@@ -4,7 +4,7 @@ For each data path (UCX shared memory, our TCP fallback) a receiver process (``-
 side's memory, either as a bare transport (``raw``: the ceiling) or inside a ``TransferEngine`` (``engine``).
 This process is the prefill side. Per repetition it moves one prompt:
 - raw: ``attach`` once, then one ``write`` per layer, all posted back to back, timed until every future
-  resolved (the data is in the peer's memory);
+  resolved (the data is in the peer's memory), watched by the same polling loop as the engine's ``poll()``;
 - engine: the peer ``expect``s, this side ``offer``s, ``push_layer``s every layer and ``finish``es, timed
   from the first push until the prefill side's result is DONE (every write landed, ``Done`` sent, the
   decode side's ``Ack`` back), i.e. including the control-plane round trips.
@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 import uuid
-from concurrent.futures import wait
 
 import msgspec
 import numpy as np
@@ -72,7 +71,7 @@ def buffers(seed: int | None) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
 def scattered(rng: np.random.Generator, count: int) -> list[int]:
     """Block ids as an allocator leaves them: runs of mean length 8 from a shuffled pool."""
     runs = [list(range(i, min(i + 8, POOL_BLOCKS))) for i in range(0, POOL_BLOCKS, 8)]
-    rng.shuffle(runs)  # type: ignore[arg-type]
+    rng.shuffle(runs)
     return [b for run in runs for b in run][:count]
 
 
@@ -128,65 +127,85 @@ class Receiver:
             self.proc.wait(10)
 
 
-def run_raw(
-    kind: str, tls: str, maps: list[tuple[list[int], list[int], int]], reps: int
-) -> list[list[float]]:
-    receiver = Receiver("raw", kind, tls)
-    _arrays, bufs = buffers(1)
-    transport = make_transport(kind, tls)
-    try:
-        transport.register(LAYOUT.regions(bufs))
-        transport.attach("d", bytes.fromhex(receiver.ready)).result(30)
-        mapping = BlockMapping(LAYOUT, LAYOUT)
-        times: list[list[float]] = [[] for _ in maps]
-        for _ in range(reps):
-            for i, (src, dst, tokens) in enumerate(maps):
-                copies = [mapping.copies(layer, src, dst, 0, tokens) for layer in range(LAYOUT.num_layers)]
-                t0 = time.perf_counter()
-                futures = [transport.write("d", c) for c in copies]
-                wait(futures, timeout=120)
-                for f in futures:
-                    f.result()
-                times[i].append(time.perf_counter() - t0)
-        return times
-    finally:
-        transport.close()
-        receiver.stop()
+Map = tuple[list[int], list[int], int]  # (P blocks, D blocks, tokens)
 
 
-def run_engine(
-    kind: str, tls: str, maps: list[tuple[list[int], list[int], int]], reps: int
-) -> list[list[float]]:
-    receiver = Receiver("engine", kind, tls)
-    _arrays, bufs = buffers(1)
-    config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120)
-    engine = TransferEngine(config, LAYOUT, bufs, make_transport(kind, tls))
+class RawSide:
+    """The ceiling: our transport alone, writes posted back to back and polled like the engine's results."""
+
+    def __init__(self, kind: str, tls: str) -> None:
+        self.receiver = Receiver("raw", kind, tls)
+        self.arrays, bufs = buffers(1)
+        self.transport = make_transport(kind, tls)
+        self.transport.register(LAYOUT.regions(bufs))
+        self.transport.attach("d", bytes.fromhex(self.receiver.ready)).result(30)
+        self.mapping = BlockMapping(LAYOUT, LAYOUT)
+
+    def once(self, m: Map, tid: str) -> float:
+        src, dst, tokens = m
+        copies = [self.mapping.copies(layer, src, dst, 0, tokens) for layer in range(LAYOUT.num_layers)]
+        t0 = time.perf_counter()
+        futures = [self.transport.write("d", c) for c in copies]
+        while not all(f.done() for f in futures):
+            time.sleep(0.0002)
+        for f in futures:
+            f.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.transport.close()
+        self.receiver.stop()
+
+
+class EngineSide:
+    """Prefill ``TransferEngine`` here, decode engine in the receiver; timed from first push to DONE."""
+
+    def __init__(self, kind: str, tls: str) -> None:
+        self.receiver = Receiver("engine", kind, tls)
+        self.arrays, bufs = buffers(1)
+        config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120)
+        self.engine = TransferEngine(config, LAYOUT, bufs, make_transport(kind, tls))
+        assert self.engine.address is not None
+        self.address = self.engine.address
+
+    def once(self, m: Map, tid: str) -> float:
+        src, dst, tokens = m
+        self.receiver.send(cmd="expect", id=tid, addr=self.address, dst=dst, tokens=tokens)
+        deadline = time.monotonic() + 60
+        while self.engine.table_sizes()["orphan_destinations"] == 0:  # D's destinations are here
+            if time.monotonic() > deadline:
+                raise TimeoutError("destinations never arrived")
+            time.sleep(0.001)
+        t0 = time.perf_counter()
+        self.engine.offer(tid, src)
+        for layer in range(LAYOUT.num_layers):
+            self.engine.push_layer(tid, layer)
+        self.engine.finish(tid)
+        while not (results := self.engine.poll()):
+            time.sleep(0.0002)
+        elapsed = time.perf_counter() - t0
+        if results[0].state is not TransferState.DONE or self.receiver.line("RESULT") != "done":
+            raise RuntimeError(f"transfer {tid} did not complete: {results[0]}")
+        return elapsed
+
+    def close(self) -> None:
+        self.engine.close()
+        self.receiver.stop()
+
+
+def measure(kind: str, tls: str, maps: list[Map], reps: int) -> dict[str, list[list[float]]]:
+    """Raw and engine repetitions interleaved, so load drift on a shared host hits both alike."""
+    sides: dict[str, RawSide | EngineSide] = {"raw": RawSide(kind, tls), "engine": EngineSide(kind, tls)}
+    times: dict[str, list[list[float]]] = {name: [[] for _ in maps] for name in sides}
     try:
-        assert engine.address is not None
-        times: list[list[float]] = [[] for _ in maps]
         for rep in range(reps):
-            for i, (src, dst, tokens) in enumerate(maps):
-                tid = f"r{rep}m{i}"
-                receiver.send(cmd="expect", id=tid, addr=engine.address, dst=dst, tokens=tokens)
-                deadline = time.monotonic() + 60
-                while engine.table_sizes()["orphan_destinations"] == 0:  # D's destinations are here
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("destinations never arrived")
-                    time.sleep(0.001)
-                t0 = time.perf_counter()
-                engine.offer(tid, src)
-                for layer in range(LAYOUT.num_layers):
-                    engine.push_layer(tid, layer)
-                engine.finish(tid)
-                while not (results := engine.poll()):
-                    time.sleep(0.0002)
-                times[i].append(time.perf_counter() - t0)
-                if results[0].state is not TransferState.DONE or receiver.line("RESULT") != "done":
-                    raise RuntimeError(f"transfer {tid} did not complete: {results[0]}")
+            for i, m in enumerate(maps):
+                for name, side in sides.items():
+                    times[name][i].append(side.once(m, f"r{rep}m{i}"))
         return times
     finally:
-        engine.close()
-        receiver.stop()
+        for side in sides.values():
+            side.close()
 
 
 def main() -> None:
@@ -209,19 +228,16 @@ def main() -> None:
         (scattered(rng, 1), scattered(rng, 1), LAYOUT.block_tokens),
     ]
     kv_bytes = blocks * LAYOUT.block_bytes * LAYOUT.num_layers * LAYOUT.buffers_per_layer
-    summary: dict[str, dict[str, float]] = {"kv_gbps": {}, "tiny_ms": {}}
+    summary: dict[str, dict[str, float]] = {"kv_gbps": {}, "tiny_ms": {}, "engine_over_raw": {}}
     for name in args.paths.split(","):
-        kind, tls = PATHS[name]
-        for variant, runner in (("raw", run_raw), ("engine", run_engine)):
-            log(f"{name} {variant} ...")
-            kv, tiny = runner(kind, tls, maps, args.reps)
+        log(f"{name} ...")
+        times = measure(*PATHS[name], maps, args.reps)
+        for variant, (kv, tiny) in times.items():
             summary["kv_gbps"][f"{name}_{variant}"] = round(kv_bytes / statistics.median(kv) / 1e9, 3)
             summary["tiny_ms"][f"{name}_{variant}"] = round(statistics.median(tiny) * 1e3, 3)
-            log(
-                f"  kv {summary['kv_gbps'][f'{name}_{variant}']} GB/s, tiny {summary['tiny_ms'][f'{name}_{variant}']} ms"
-            )
-        raw, eng = summary["kv_gbps"][f"{name}_raw"], summary["kv_gbps"][f"{name}_engine"]
-        summary.setdefault("engine_over_raw", {})[name] = round(eng / raw, 3)
+        ratios = [raw_t / eng_t for raw_t, eng_t in zip(times["raw"][0], times["engine"][0], strict=True)]
+        summary["engine_over_raw"][name] = round(statistics.median(ratios), 3)  # throughput ratio, paired
+        log(f"  {summary}")
     print(json.dumps({"kv_bytes": kv_bytes, "reps": args.reps, **summary}))
 
 

@@ -24,11 +24,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
+from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.ucx import UcxConfig
 
@@ -201,171 +201,144 @@ class Receiver:
             self.proc.wait(10)
 
 
-# -- measurements ------------------------------------------------------------------------------------------------
-def median_gbps(nbytes: int, run: Callable[[], object], reps: int) -> float:
-    run()  # warm-up: connection set-up, registration caches, page faults
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+# -- senders: one process per data path, driven one repetition at a time ----------------------------------------
+KV_BYTES = KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK
+CASES = [str(i) for i in range(len(SIZES))] + ["kv"]
 
 
-def idle_cpu_percent(receiver: Receiver) -> float:
-    """CPU of both ends of an idle, connected pair over ``IDLE_S`` seconds, in % of one core."""
-    mine, theirs = time.process_time(), receiver.cpu_seconds()
-    time.sleep(IDLE_S)
-    used = time.process_time() - mine + receiver.cpu_seconds() - theirs
-    return 100.0 * used / IDLE_S
+def case_bytes(case: str) -> int:
+    return KV_BYTES if case == "kv" else MESSAGE_BYTES
 
 
-def bench_memcpy(memory: Memory, target: Memory, reps: int) -> tuple[list[float], float]:
-    out = []
-    for size in SIZES:
+class Path:
+    """One data path's sender side: ``run(case)`` moves one repetition's bytes and returns when they landed."""
+
+    receiver: Receiver | None = None
+
+    def run(self, case: str) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.stop()
+
+    def idle_cpu_percent(self) -> float:
+        """CPU of both ends of the idle, connected pair over ``IDLE_S`` seconds, in % of one core."""
+        assert self.receiver is not None
+        mine, theirs = time.process_time(), self.receiver.cpu_seconds()
+        time.sleep(IDLE_S)
+        used = time.process_time() - mine + self.receiver.cpu_seconds() - theirs
+        return 100.0 * used / IDLE_S
+
+
+class MemcpyPath(Path):
+    """The ceiling: the same block copies inside one process (numpy gather/scatter)."""
+
+    def __init__(self, memory: Memory) -> None:
+        self.memory, self.target = memory, Memory(fill=False)
+        self.kv_src, self.kv_dst = np.array(KV_SRC), np.array(KV_DST)
+
+    def run(self, case: str) -> None:
+        if case == "kv":
+            for r in range(KV_REGIONS):
+                self.target.kv[r][self.kv_dst] = self.memory.kv[r][self.kv_src]
+            return
+        size = SIZES[int(case)]
         n = MESSAGE_BYTES // size
-        src, dst = memory.messages.reshape(n, size), target.messages.reshape(n, size)
-        order = np.arange(n - 1, -1, -1)
-        out.append(median_gbps(MESSAGE_BYTES, partial(dst.__setitem__, order, src), reps))
-    src_idx, dst_idx = np.array(KV_SRC), np.array(KV_DST)
-
-    def kv() -> None:
-        for r in range(KV_REGIONS):
-            target.kv[r][dst_idx] = memory.kv[r][src_idx]
-
-    return out, median_gbps(KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK, kv, reps)
+        self.target.messages.reshape(n, size)[::-1] = self.memory.messages.reshape(n, size)
 
 
-def _write_and_wait(sender: Transport, copies: list[BlockCopy]) -> int:
-    return sender.write("receiver", copies).result(120)
+class OursPath(Path):
+    """Our transport: each message case is one ``write`` of 64 MiB / S unmergeable copies; KV is 32 layer
+    writes in flight (as the connector pushes them), then wait for all."""
+
+    def __init__(self, memory: Memory, kind: str, tls: str) -> None:
+        self.memory = memory  # registered, not owned, by the transport: keep it alive
+        self.receiver = Receiver(kind, tls)
+        self.sender = _our_transport(kind, tls)
+        self.sender.register(memory.regions())
+        self.sender.attach("receiver", self.receiver.descriptor).result(30)
+        self.copies = {str(i): message_copies(i) for i in range(len(SIZES))}
+        self.layers = [layer_copies(layer) for layer in range(LAYERS)]
+
+    def run(self, case: str) -> None:
+        batches = self.layers if case == "kv" else [self.copies[case]]
+        for future in [self.sender.write("receiver", copies) for copies in batches]:
+            future.result(120)
+
+    def close(self) -> None:
+        self.sender.close()
+        super().close()
 
 
-def bench_ours(
-    name: str, kind: str, tls: str, memory: Memory, reps: int
-) -> tuple[list[float], float, float | None]:
-    receiver = Receiver(kind, tls)
-    sender = _our_transport(kind, tls)
-    try:
-        sender.register(memory.regions())
-        sender.attach("receiver", receiver.descriptor).result(30)
-        sizes = []
-        for i in range(len(SIZES)):
-            copies = message_copies(i)
-            sizes.append(median_gbps(MESSAGE_BYTES, partial(_write_and_wait, sender, copies), reps))
-            log(f"  {name} {SIZES[i] >> 10} KiB: {sizes[-1]:.2f} GB/s")
-        layers = [layer_copies(layer) for layer in range(LAYERS)]
+class RawSocketPath(Path):
+    """A plain asyncio-streams client: header, then each message with ``writer.write``, then wait for 1 byte."""
 
-        def kv() -> None:
-            futures = [sender.write("receiver", copies) for copies in layers]
-            for f in futures:
-                f.result(120)
+    def __init__(self, memory: Memory) -> None:
+        self.memory = memory
+        self.receiver = Receiver("raw")
+        (port,) = struct.unpack("!H", self.receiver.descriptor)
+        self.view = memory.messages.data
+        self.loop = asyncio.new_event_loop()
+        self.reader, self.writer = self.loop.run_until_complete(asyncio.open_connection("127.0.0.1", port))
 
-        kv_gbps = median_gbps(KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK, kv, reps)
-        log(f"  {name} kv-shaped: {kv_gbps:.2f} GB/s")
-        idle = idle_cpu_percent(receiver) if name == "ucx_sm" else None
-        return sizes, kv_gbps, idle
-    finally:
-        sender.close()
-        receiver.stop()
-
-
-def bench_raw(memory: Memory, reps: int) -> list[float]:
-    receiver = Receiver("raw")
-    (port,) = struct.unpack("!H", receiver.descriptor)
-    view = memory.messages.data
-
-    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size: int) -> None:
+    async def _send(self, size: int) -> None:
         n = MESSAGE_BYTES // size
-        writer.write(struct.pack("!QQ", n, size))
+        self.writer.write(struct.pack("!QQ", n, size))
         for i in range(n):
-            writer.write(view[i * size : (i + 1) * size])
-            if writer.transport.get_write_buffer_size() > (8 << 20):
-                await writer.drain()
-        await writer.drain()
-        await reader.readexactly(1)
+            self.writer.write(self.view[i * size : (i + 1) * size])
+            if self.writer.transport.get_write_buffer_size() > (8 << 20):
+                await self.writer.drain()
+        await self.writer.drain()
+        await self.reader.readexactly(1)
 
-    async def run_all() -> list[float]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        out = []
-        for size in SIZES:
-            await one(reader, writer, size)
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                await one(reader, writer, size)
-                times.append(time.perf_counter() - start)
-            out.append(MESSAGE_BYTES / statistics.median(times) / 1e9)
-            log(f"  raw_socket {size >> 10} KiB: {out[-1]:.2f} GB/s")
-        writer.close()
-        return out
+    def run(self, case: str) -> None:
+        self.loop.run_until_complete(self._send(SIZES[int(case)]))
 
-    try:
-        return asyncio.run(run_all())
-    finally:
-        receiver.stop()
+    def close(self) -> None:
+        self.writer.close()
+        self.loop.close()
+        super().close()
 
 
-def bench_nixl(memory: Memory, reps: int) -> tuple[list[float], float, float]:
-    receiver = Receiver("nixl")
-    agent = _nixl_agent("sender")
-    regs = [(memory.messages.ctypes.data, MESSAGE_BYTES, 0, "")]
-    regs += [(int(memory.kv[r].ctypes.data), int(memory.kv[r].nbytes), 0, "") for r in range(KV_REGIONS)]
-    registered = agent.register_memory(regs, "DRAM")
-    try:
-        (meta_len,) = struct.unpack("!I", receiver.descriptor[:4])
-        peer = agent.add_remote_agent(receiver.descriptor[4 : 4 + meta_len])
-        remote_base = struct.unpack(f"!{1 + KV_REGIONS}Q", receiver.descriptor[4 + meta_len :])
+class NixlPath(Path):
+    """NIXL's UCX backend with its defaults: per-block descriptors prepared once (as vLLM's NixlConnector does
+    at start-up); per repetition ``make_prepped_xfer`` + ``transfer`` per message set / per layer, then poll."""
 
-        def blocks(base: int, size: int, count: int) -> np.ndarray:
-            return np.array([(base + i * size, size, 0) for i in range(count)], dtype=np.int64)
-
-        def transfer(local: object, remote: object, lidx: np.ndarray, ridx: np.ndarray) -> object:
-            handle = agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx)
-            if agent.transfer(handle) == "ERR":
-                raise RuntimeError("nixl transfer failed")
-            return handle
-
-        def finish(handle: object) -> None:
-            while (state := agent.check_xfer_state(handle)) == "PROC":
-                pass
-            if state != "DONE":
-                raise RuntimeError(f"nixl transfer state {state}")
-            agent.release_xfer_handle(handle)
-
-        sizes = []
-        for size in SIZES:
+    def __init__(self, memory: Memory) -> None:
+        self.memory = memory
+        self.receiver = Receiver("nixl")
+        self.agent = agent = _nixl_agent("sender")
+        regs = [(memory.messages.ctypes.data, MESSAGE_BYTES, 0, "")]
+        regs += [(int(memory.kv[r].ctypes.data), int(memory.kv[r].nbytes), 0, "") for r in range(KV_REGIONS)]
+        self.registered = agent.register_memory(regs, "DRAM")
+        desc = self.receiver.descriptor
+        (meta_len,) = struct.unpack("!I", desc[:4])
+        self.peer = agent.add_remote_agent(desc[4 : 4 + meta_len])
+        remote_base = struct.unpack(f"!{1 + KV_REGIONS}Q", desc[4 + meta_len :])
+        self.dlists: dict[str, tuple[object, object, np.ndarray, np.ndarray]] = {}
+        for i, size in enumerate(SIZES):
             n = MESSAGE_BYTES // size
             local = agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", blocks(memory.messages.ctypes.data, size, n), "DRAM"
+                "NIXL_INIT_AGENT", _blocks(memory.messages.ctypes.data, size, n), "DRAM"
             )
-            remote = agent.prep_xfer_dlist(peer, blocks(remote_base[0], size, n), "DRAM")
-            lidx, ridx = np.arange(n, dtype=np.int32), np.arange(n - 1, -1, -1, dtype=np.int32)
-            sizes.append(
-                median_gbps(
-                    MESSAGE_BYTES,
-                    partial(lambda *a: finish(transfer(*a)), local, remote, lidx, ridx),
-                    reps,
-                )
+            remote = agent.prep_xfer_dlist(self.peer, _blocks(remote_base[0], size, n), "DRAM")
+            self.dlists[str(i)] = (
+                local,
+                remote,
+                np.arange(n, dtype=np.int32),
+                np.arange(n - 1, -1, -1, dtype=np.int32),
             )
-            log(f"  nixl {size >> 10} KiB: {sizes[-1]:.2f} GB/s")
-            agent.release_dlist_handle(local)
-            agent.release_dlist_handle(remote)
-        # KV: one descriptor per block of every region, prepared once (as vLLM's NixlConnector does at start-up);
-        # per layer one transfer of 512 block descriptors (K and V), all layers in flight, then wait.
-        local_kv = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT",
-            np.concatenate(
-                [blocks(int(memory.kv[r].ctypes.data), KV_BLOCK, POOL_BLOCKS) for r in range(KV_REGIONS)]
-            ),
-            "DRAM",
+        local_kv = np.concatenate(
+            [_blocks(int(memory.kv[r].ctypes.data), KV_BLOCK, POOL_BLOCKS) for r in range(KV_REGIONS)]
         )
-        remote_kv = agent.prep_xfer_dlist(
-            peer,
-            np.concatenate([blocks(remote_base[1 + r], KV_BLOCK, POOL_BLOCKS) for r in range(KV_REGIONS)]),
-            "DRAM",
+        remote_kv = np.concatenate(
+            [_blocks(remote_base[1 + r], KV_BLOCK, POOL_BLOCKS) for r in range(KV_REGIONS)]
         )
+        self.kv_local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_kv, "DRAM")
+        self.kv_remote = agent.prep_xfer_dlist(self.peer, remote_kv, "DRAM")
         src, dst = np.array(KV_SRC, dtype=np.int32), np.array(KV_DST, dtype=np.int32)
-        per_layer = [
+        self.per_layer = [
             (
                 np.concatenate([(2 * layer + kv) * POOL_BLOCKS + src for kv in (0, 1)]),
                 np.concatenate([(2 * layer + kv) * POOL_BLOCKS + dst for kv in (0, 1)]),
@@ -373,33 +346,122 @@ def bench_nixl(memory: Memory, reps: int) -> tuple[list[float], float, float]:
             for layer in range(LAYERS)
         ]
 
-        def kv() -> None:
-            handles = [transfer(local_kv, remote_kv, lidx, ridx) for lidx, ridx in per_layer]
-            for handle in handles:
-                finish(handle)
+    def _post(self, local: object, remote: object, lidx: np.ndarray, ridx: np.ndarray) -> object:
+        handle = self.agent.make_prepped_xfer("WRITE", local, lidx, remote, ridx)
+        if self.agent.transfer(handle) == "ERR":
+            raise RuntimeError("nixl transfer failed")
+        return handle
 
-        kv_gbps = median_gbps(KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK, kv, reps)
-        log(f"  nixl kv-shaped: {kv_gbps:.2f} GB/s")
-        idle = idle_cpu_percent(receiver)
-        agent.release_dlist_handle(local_kv)
-        agent.release_dlist_handle(remote_kv)
-        agent.remove_remote_agent(peer)
-        return sizes, kv_gbps, idle
+    def _finish(self, handle: object) -> None:
+        while (state := self.agent.check_xfer_state(handle)) == "PROC":
+            pass
+        if state != "DONE":
+            raise RuntimeError(f"nixl transfer state {state}")
+        self.agent.release_xfer_handle(handle)
+
+    def run(self, case: str) -> None:
+        if case == "kv":
+            handles = [self._post(self.kv_local, self.kv_remote, src, dst) for src, dst in self.per_layer]
+        else:
+            handles = [self._post(*self.dlists[case])]
+        for handle in handles:
+            self._finish(handle)
+
+    def close(self) -> None:
+        for local, remote, _, _ in self.dlists.values():
+            self.agent.release_dlist_handle(local)
+            self.agent.release_dlist_handle(remote)
+        self.agent.release_dlist_handle(self.kv_local)
+        self.agent.release_dlist_handle(self.kv_remote)
+        self.agent.remove_remote_agent(self.peer)
+        self.agent.deregister_memory(self.registered)
+        super().close()
+
+
+def _blocks(base: int, size: int, count: int) -> np.ndarray:
+    return np.array([(base + i * size, size, 0) for i in range(count)], dtype=np.int64)
+
+
+#: name -> (cases it runs, whether its idle cost is reported)
+PATHS: dict[str, tuple[list[str], bool]] = {
+    "memcpy": (CASES, False),
+    "ucx_sm": (CASES, True),
+    "ucx_tcp": (CASES, False),
+    "tcp": (CASES, False),
+    "raw_socket": (CASES[:-1], False),
+    "nixl": (CASES, True),
+}
+
+
+def make_path(name: str) -> Path:
+    memory = Memory(fill=True)
+    if name == "memcpy":
+        return MemcpyPath(memory)
+    if name in UCX_TLS:
+        return OursPath(memory, "ucx", UCX_TLS[name])
+    if name == "tcp":
+        return OursPath(memory, "tcp", "")
+    if name == "raw_socket":
+        return RawSocketPath(memory)
+    return NixlPath(memory)
+
+
+def drive(name: str) -> None:
+    """Sender process for one path: ``READY``, then per stdin line ``run CASE`` -> ``SECONDS t``,
+    ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL bundles UCX 1.23,
+    ucxx uses 1.21: they must not share a process)."""
+    path = make_path(name)
+    try:
+        for case in PATHS[name][0]:
+            path.run(case)  # warm-up: connection set-up, registration caches, page faults
+        print("READY", flush=True)
+        for line in sys.stdin:
+            command = line.split()
+            if command[0] == "run":
+                start = time.perf_counter()
+                path.run(command[1])
+                print("SECONDS", time.perf_counter() - start, flush=True)
+            elif command[0] == "idle":
+                print("IDLE", path.idle_cpu_percent(), flush=True)
+            else:
+                break
     finally:
-        agent.deregister_memory(registered)
-        receiver.stop()
+        path.close()
 
 
-def run_nixl_sender(reps: int) -> tuple[list[float], float, float]:
-    """NIXL bundles its own libucp (1.23); this process already loaded ucxx's 1.21, so NIXL sends from a
-    fresh process (``--nixl-sender``) that never imports ucxx."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transport", "--nixl-sender", "--reps", str(reps)],
-        stdout=subprocess.PIPE, text=True, env=CLEAN_ENV, timeout=1800, check=True,
-    )  # fmt: skip
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("NIXL_RESULT "))
-    result = json.loads(line.split(" ", 1)[1])
-    return result["sizes"], result["kv"], result["idle"]
+class Driver:
+    """The orchestrator's handle on one sender process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.transport", "--drive", name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
+        )  # fmt: skip
+        self._expect("READY")
+
+    def _expect(self, tag: str) -> list[str]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line.split()[1:]
+        raise RuntimeError(f"{self.name} sender exited with {self.proc.wait()} before {tag}")
+
+    def ask(self, command: str, tag: str) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return float(self._expect(tag)[0])
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(60)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 def main() -> None:
@@ -407,44 +469,61 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--reps", type=int, default=7, help="repetitions per figure (median reported; >= 5)")
-    parser.add_argument("--serve", choices=["ucx", "tcp", "raw", "nixl"], help=argparse.SUPPRESS)
-    parser.add_argument("--nixl-sender", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--skip-nixl", action="store_true", help="when the bench extra (nixl) is not installed"
     )
+    parser.add_argument("--serve", choices=["ucx", "tcp", "raw", "nixl"], help=argparse.SUPPRESS)
+    parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--drive", choices=list(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.tls)
         return
-    if args.nixl_sender:
-        sizes, kv, idle_nixl = bench_nixl(Memory(fill=True), args.reps)
-        print("NIXL_RESULT", json.dumps({"sizes": sizes, "kv": kv, "idle": idle_nixl}), flush=True)
+    if args.drive:
+        drive(args.drive)
         return
-    memory, target = Memory(fill=True), Memory(fill=False)
-    log(f"kv-shaped: {LAYERS} layers x K,V x {PROMPT_BLOCKS} blocks x {KV_BLOCK >> 10} KiB = "
-        f"{KV_REGIONS * PROMPT_BLOCKS * KV_BLOCK >> 20} MiB, {len(layer_copies(0))} block copies per layer")  # fmt: skip
-    gbps: dict[str, list[float]] = {}
-    kv_gbps: dict[str, float] = {}
+    names = [n for n in PATHS if not (args.skip_nixl and n == "nixl")]
+    log(
+        f"kv-shaped: {LAYERS} layers x K,V x {PROMPT_BLOCKS} blocks x {KV_BLOCK >> 10} KiB = {KV_BYTES >> 20} MiB, "
+        f"{len(layer_copies(0))} block copies per layer, {len(coalesce_runs(layer_copies(0)))} runs after coalescing"
+    )
+    drivers: dict[str, Driver] = {}
+    seconds: dict[tuple[str, str], list[float]] = {}
     idle: dict[str, float] = {}
-    gbps["memcpy"], kv_gbps["memcpy"] = bench_memcpy(memory, target, args.reps)
-    log(f"  memcpy: {gbps['memcpy']} kv {kv_gbps['memcpy']:.2f}")
-    del target
-    for name, kind, tls in (
-        ("ucx_sm", "ucx", UCX_TLS["ucx_sm"]),
-        ("ucx_tcp", "ucx", UCX_TLS["ucx_tcp"]),
-        ("tcp", "tcp", ""),
-    ):
-        gbps[name], kv_gbps[name], idle_ours = bench_ours(name, kind, tls, memory, args.reps)
-        if idle_ours is not None:
-            idle["ours"] = idle_ours
-    gbps["raw_socket"] = bench_raw(memory, args.reps)
-    if not args.skip_nixl:
-        gbps["nixl"], kv_gbps["nixl"], idle["nixl"] = run_nixl_sender(args.reps)
-    summary = {
+    try:
+        for name in names:
+            log(f"starting {name}")
+            drivers[name] = Driver(name)
+        # Round-robin: every repetition measures every path once, in a shuffled order, so load from other
+        # processes on this shared machine hits all paths alike.
+        order = np.random.default_rng(0)
+        for rep in range(args.reps):
+            for case in CASES:
+                for name in order.permutation(names).tolist():
+                    if case in PATHS[name][0]:
+                        seconds.setdefault((name, case), []).append(
+                            drivers[name].ask(f"run {case}", "SECONDS")
+                        )
+            log(f"repetition {rep + 1}/{args.reps} done")
+        for name in names:
+            if PATHS[name][1]:
+                idle["ours" if name == "ucx_sm" else name] = drivers[name].ask("idle", "IDLE")
+    finally:
+        for driver in drivers.values():
+            driver.stop()
+    gbps = {
+        name: [round(MESSAGE_BYTES / statistics.median(seconds[name, c]) / 1e9, 3) for c in CASES[:-1]]
+        for name in names
+    }
+    kv_gbps = {
+        name: round(KV_BYTES / statistics.median(seconds[name, "kv"]) / 1e9, 3)
+        for name in names
+        if (name, "kv") in seconds
+    }
+    summary: dict[str, object] = {
         "sizes": SIZES,
-        "gbps": {k: [round(x, 3) for x in v] for k, v in gbps.items()},
-        "kv_shaped_gbps": {k: round(v, 3) for k, v in kv_gbps.items()},
+        "gbps": gbps,
+        "kv_shaped_gbps": kv_gbps,
         "idle_cpu_percent": {k: round(v, 2) for k, v in idle.items()},
         "reps": args.reps,
         "kv_shape": {
@@ -456,6 +535,12 @@ def main() -> None:
     }
     if "nixl" in gbps:
         summary["ratios"] = ratios(gbps, kv_gbps, idle)
+    for name in names:
+        log(
+            f"{name:>10}: "
+            + "  ".join(f"{g:7.3f}" for g in gbps[name])
+            + f"   kv {kv_gbps.get(name, float('nan')):.3f} GB/s"
+        )
     print(json.dumps(summary))
 
 

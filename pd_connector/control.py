@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -72,8 +72,6 @@ class Connection:
     ``on_message``; ``on_close(conn, reason)`` is called exactly once when it ends for any reason.
     """
 
-    _ids = itertools.count(1)
-
     def __init__(
         self,
         reader: asyncio.StreamReader,
@@ -82,7 +80,7 @@ class Connection:
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
     ) -> None:
-        self.id = next(self._ids)
+        self.id = uuid.uuid4().hex[:8]  # names this connection's transport endpoint (peer_id) uniquely
         self._reader = reader
         self._writer = writer
         self._codec = codec

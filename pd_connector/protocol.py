@@ -7,8 +7,7 @@ peer can at worst send a malformed frame, which is rejected. The conversation on
     P -> D  HelloAck | Refused(reason naming what differs; the connection is then closed)
     D -> P  Destinations(transfer id, D block ids, tokens wanted, lease)      (any number, any time)
     P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
-    P -> D  Done(transfer id, tokens, first token)                        (after every write landed)
-    D -> P  Ack(transfer id)                                              (P may release its blocks)
+    P -> D  Done(transfer id, tokens, first token)      (after every write landed; P's blocks are free then)
     either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
     either  Heartbeat every ``heartbeat_interval_s``: silence longer than the heartbeat timeout = dead peer
 
@@ -112,7 +111,7 @@ class Abort(msgspec.Struct, tag="abort"):
 
 
 class Ack(msgspec.Struct, tag="ack"):
-    """Acknowledges ``Done`` (D -> P) or ``Abort`` (either way): the sender of Ack is finished with it."""
+    """Answers ``Abort``: the sender of Ack will not touch the transfer's blocks again."""
 
     transfer_id: str
 

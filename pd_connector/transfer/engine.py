@@ -31,7 +31,8 @@ class TransferEngine:
     """Moves KV blocks of individual requests from P to D over ``transport``, driven by the control plane.
 
     ``buffers``: the local KV buffers as ``(address, length_bytes)``, ordered as ``KVLayout.regions``
-    expects; the engine registers them with ``transport`` and closes the transport in ``close``.
+    expects; the engine registers them with ``transport``. The engine owns ``transport`` from here on: it
+    closes it in ``close`` or when construction fails (bad buffers, listener port taken).
     """
 
     def __init__(
@@ -43,7 +44,11 @@ class TransferEngine:
     ) -> None:
         self.config = config
         self.layout = layout
-        memory = transport.register(layout.regions(buffers))
+        try:
+            memory = transport.register(layout.regions(buffers))
+        except BaseException:
+            transport.close()
+            raise
         self._ctx = EngineContext(config, layout, transport)
         self._sender = Sender(self._ctx)
         self._receiver = Receiver(self._ctx, memory)
@@ -123,7 +128,7 @@ class TransferEngine:
         """Declare (or extend, for chunked prefill) P's block table for ``transfer_id``, in token order.
 
         The first call starts the sender state (WAITING) and its lease: if no activity (destinations, push,
-        landed write, D's Ack) happens for ``config.lease_s``, the transfer ends FAILED with
+        landed write) happens for ``config.lease_s``, the transfer ends FAILED with
         ``lease_expired`` and its blocks are released. A later call passes the whole, longer table (the
         known prefix must not change).
         """
@@ -144,7 +149,8 @@ class TransferEngine:
         """No more pushes: once every write landed, send ``Done`` (with the first sampled token, if any).
 
         The time from this call until the writes landed is the exposed transfer time. The transfer is
-        reported DONE after D's ``Ack`` (or FAILED when D dies or the lease expires first).
+        reported DONE once every write landed and ``Done`` was sent (push model: P's blocks are free then),
+        or FAILED when D dies, a write fails or the lease expires first.
         """
         self._post(self._sender.finish, transfer_id, first_token, time.monotonic())
 
@@ -220,6 +226,7 @@ class TransferEngine:
             self._sender.serve_peer,
         )
         host, port = server.sockets[0].getsockname()[:2]
+        host = cfg.advertise_host or host
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return server
 

@@ -40,6 +40,8 @@ class _Link:
     conn: control.Connection | None = None
     ready: bool = False
     waiting: list[str] = dataclasses.field(default_factory=list)
+    # Transfers given up before the handshake finished: P may have offered them, so it is told afterwards.
+    aborts: list[Abort] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -148,6 +150,9 @@ class Receiver:
             rt = self.recvs.get(tid)
             if rt is not None and rt.link is link:
                 self._send_destinations(rt)
+        aborts, link.aborts = link.aborts, []
+        for abort in aborts:
+            conn.send(abort)
         await conn.run()
 
     def _link_failed(self, link: _Link, reason: str) -> None:
@@ -175,8 +180,8 @@ class Receiver:
                 rt.bytes += msg.bytes
                 self.ctx.count(bytes_received=msg.bytes)
         elif isinstance(msg, (Done, Abort)):
-            assert link.conn is not None
-            link.conn.send(Ack(msg.transfer_id))
+            if isinstance(msg, Abort) and link.conn is not None:
+                link.conn.send(Ack(msg.transfer_id))
             if rt is not None:
                 self._on_end(rt, msg)
         elif isinstance(msg, Ack):
@@ -210,11 +215,18 @@ class Receiver:
 
     def _give_up(self, rt: _Recv, state: TransferState, reason: str) -> None:
         """Tell P and wait for its Ack (it drained its writes) before reporting."""
+        abort = Abort(rt.transfer_id, reason, state is TransferState.FAILED)
         if not (rt.sent and rt.link.ready and rt.link.conn is not None):
-            self._finish(rt, state, reason)  # P never learnt our blocks: nothing can write into them
+            # P never learnt our blocks, so nothing can write into them: report now, and still tell P,
+            # which may have offered the transfer and would otherwise hold its blocks until its lease ends.
+            if rt.link.ready and rt.link.conn is not None:
+                rt.link.conn.send(abort)
+            elif self.links.get(rt.link.addr) is rt.link:
+                rt.link.aborts.append(abort)
+            self._finish(rt, state, reason)
             return
         rt.ending = (state, reason)
-        rt.link.conn.send(Abort(rt.transfer_id, reason, state is TransferState.FAILED))
+        rt.link.conn.send(abort)
         if rt.timer is not None:
             rt.timer.cancel()
         rt.timer = self.ctx.loop.call_later(self.ctx.config.abort_grace_s, self._abort_unanswered, rt)

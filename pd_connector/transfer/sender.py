@@ -60,7 +60,6 @@ class _Send:
     first_token: int | None = None
     tokens_covered: int = 0
     bytes: int = 0
-    done_sent: bool = False
     exposed_s: float = 0.0
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
     decode_aborted: bool = False  # D asked to abort: answer Ack (not Abort) once drained
@@ -87,9 +86,16 @@ class Sender:
         self.sends: dict[str, _Send] = {}
         self.orphans: dict[str, _Orphan] = {}
         self.peers: dict[control.Connection, _Peer] = {}
+        # Transfers that ended before D's destinations came: answered with Abort when they do (for lease_s).
+        self.tombstones: dict[str, tuple[Abort, asyncio.TimerHandle]] = {}
 
     def sizes(self) -> dict[str, int]:
-        return {"sends": len(self.sends), "orphan_destinations": len(self.orphans), "peers": len(self.peers)}
+        return {
+            "sends": len(self.sends),
+            "orphan_destinations": len(self.orphans),
+            "peers": len(self.peers),
+            "tombstones": len(self.tombstones),
+        }
 
     def state(self, tid: str) -> TransferState | None:
         st = self.sends.get(tid)
@@ -100,6 +106,9 @@ class Sender:
             self._end(st, TransferState.FAILED, "transfer engine closed")
         for tid in list(self.orphans):
             self._drop_orphan(tid)
+        for _, timer in self.tombstones.values():
+            timer.cancel()
+        self.tombstones.clear()
         for conn in list(self.peers):
             conn.close("engine closed")
 
@@ -173,9 +182,7 @@ class Sender:
         if isinstance(msg, Destinations):
             self._on_destinations(peer, msg)
         elif isinstance(msg, Ack):
-            st = self.sends.get(msg.transfer_id)
-            if st is not None and st.peer is peer and st.done_sent:
-                self._end(st, TransferState.DONE, "")
+            pass  # D answering our Abort: we sent it only after our writes drained, nothing waits for it
         elif isinstance(msg, Abort):
             self._on_abort(peer, msg)
         else:
@@ -191,6 +198,11 @@ class Sender:
         if problem is not None:
             logger.error("transfer %s: bad destinations from %s: %s", tid, peer.engine_id, problem)
             peer.conn.send(Abort(tid, f"prefill refused destinations: {problem}", failure=True))
+            return
+        tombstone = self.tombstones.pop(tid, None)
+        if tombstone is not None:  # P already ended this transfer: D learns it now, not at its timeout
+            tombstone[1].cancel()
+            peer.conn.send(tombstone[0])
             return
         st = self.sends.get(tid)
         if st is None:  # D was faster than P's scheduler: keep the destinations until offer() (or lease end)
@@ -215,7 +227,13 @@ class Sender:
         tid = msg.transfer_id
         self._drop_orphan(tid)
         st = self.sends.get(tid)
-        if st is None or st.peer is not peer:
+        if st is not None and st.peer is None and st.ending is None:
+            # D gave up before its destinations reached us: nothing was written, end ours too.
+            peer.conn.send(Ack(tid))
+            st.decode_aborted = True
+            state = TransferState.FAILED if msg.failure else TransferState.ABORTED
+            self._end(st, state, f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}")
+        elif st is None or st.peer is not peer:
             peer.conn.send(Ack(tid))  # nothing of ours writes into it
         elif st.ending is None:
             st.decode_aborted = True
@@ -352,7 +370,7 @@ class Sender:
         self._maybe_done(st)
 
     def _maybe_done(self, st: _Send) -> None:
-        if st.peer is None or st.finished_at is None or st.inflight or st.done_sent or st.ending is not None:
+        if st.peer is None or st.finished_at is None or st.inflight or st.ending is not None:
             return
         assert st.dests is not None
         if st.tokens_covered < st.dests.num_tokens:
@@ -360,10 +378,11 @@ class Sender:
             self._end(st, TransferState.FAILED, reason)
             return
         st.exposed_s = time.monotonic() - st.finished_at
-        st.done_sent = True
         self.ctx.count(exposed_seconds=st.exposed_s)
         st.peer.conn.send(Done(st.transfer_id, st.tokens_covered, st.first_token))
-        self._arm(st)  # D's Ack must come within the lease
+        # Push model: every byte is in D's memory and P's blocks are read by nobody else, so they are free
+        # now; waiting for D to acknowledge Done would only hold P's memory one round trip longer.
+        self._end(st, TransferState.DONE, "")
 
     def _end(self, st: _Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
         """Stop scheduling writes; report once the in-flight ones drained (the source blocks are free then)."""
@@ -380,11 +399,17 @@ class Sender:
         del self.sends[st.transfer_id]
         if st.timer is not None:
             st.timer.cancel()
+        failure = state is TransferState.FAILED
         if st.peer is not None and state is not TransferState.DONE:
             # Decode's Abort gets our Ack; our own failure or abort gets an Abort (D answers with Ack).
-            failure = state is TransferState.FAILED
             reply = Ack(st.transfer_id) if st.decode_aborted else Abort(st.transfer_id, reason, failure)
             st.peer.conn.send(reply)
+        elif st.peer is None and not st.decode_aborted:
+            abort = Abort(st.transfer_id, reason, failure)
+            timer = self.ctx.loop.call_later(
+                self.ctx.config.lease_s, self.tombstones.pop, st.transfer_id, None
+            )
+            self.tombstones[st.transfer_id] = (abort, timer)
         if state is TransferState.DONE:
             self.ctx.count(transfers_sent=1)
         self.ctx.report(

@@ -12,12 +12,14 @@ class TransferConfig:
 
     ``listen_host``/``listen_port``: where a prefill side (P) accepts decode sides (port 0 = ephemeral,
     read the bound address from ``TransferEngine.address``; ``listen_port=None``: no listener, a pure D).
+    ``advertise_host``: the host peers should dial when ``listen_host`` is a wildcard (``0.0.0.0``).
     ``secret``: shared HMAC-SHA256 key; None disables authentication (trusted networks only).
     """
 
     engine_id: str
     listen_host: str = "127.0.0.1"
     listen_port: int | None = None
+    advertise_host: str | None = None
     connect_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
     lease_s: float = 60.0

@@ -9,6 +9,7 @@ critical path. Vectorised with numpy: a layer's plan costs tens of microseconds,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -30,9 +31,8 @@ def coalesce_runs(copies: Sequence[BlockCopy]) -> RunTable:
     """
     if not copies:
         return np.empty((0, 4), dtype=np.int64)
-    table = np.array(
-        [(c.region_id, c.src_block, c.dst_block, c.num_blocks) for c in copies], dtype=np.int64
-    ).reshape(-1, 4)
+    fields = chain.from_iterable((c.region_id, c.src_block, c.dst_block, c.num_blocks) for c in copies)
+    table = np.fromiter(fields, dtype=np.int64, count=4 * len(copies)).reshape(-1, 4)
     if (table[:, COUNT] <= 0).any() or (table[:, SRC : DST + 1] < 0).any():
         raise ValueError("block copies need src_block, dst_block >= 0 and num_blocks >= 1")
     _check_no_overlapping_destinations(table)
@@ -46,7 +46,7 @@ def coalesce_runs(copies: Sequence[BlockCopy]) -> RunTable:
         | (nxt[:, DST] != prev[:, DST] + prev[:, COUNT])
     )
     starts = np.flatnonzero(starts_run)
-    merged = table[starts].copy()
+    merged = table[starts]  # fancy indexing copies
     merged[:, COUNT] = np.add.reduceat(table[:, COUNT], starts)
     return merged
 

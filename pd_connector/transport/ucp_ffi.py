@@ -160,8 +160,14 @@ class Poster:
         self._put_params: dict[int, _RequestParam] = {}
         self._no_params = _RequestParam()
 
-    def put(self, ep: int, local: int, nbytes: int, remote: int, rkey: int, memh: int) -> None:
-        """Post one put; the request (if any) is released at once: completion is observed by ``flush``."""
+    def put_many(
+        self, ep: int, local: list[int], sizes: list[int], remote: list[int], rkey: int, memh: int
+    ) -> None:
+        """Post one put per (local address, size, remote address) of one region pair.
+
+        Requests are released at once (completion is observed by ``flush``); a put that completes inline
+        returns NULL, so the common path is one ctypes call per span.
+        """
         param = self._put_params.get(memh)
         if param is None:
             param = _RequestParam(
@@ -170,12 +176,15 @@ class Poster:
                 memh=memh,
             )
             self._put_params[memh] = param
-        ptr = self._put(ep, local, nbytes, remote, rkey, ctypes.byref(param))
-        status = _status_of(ptr)
-        if status is None:
-            self._free(ptr)
-        elif status != UCS_OK:
-            raise UcpError("ucp_put_nbx", status)
+        ref, put = ctypes.byref(param), self._put
+        for src, size, dst in zip(local, sizes, remote, strict=True):
+            ptr = put(ep, src, size, dst, rkey, ref)
+            if ptr is not None:
+                status = _status_of(ptr)
+                if status is None:
+                    self._free(ptr)
+                elif status != UCS_OK:
+                    raise UcpError("ucp_put_nbx", status)
 
     def forget(self, memh: int) -> None:
         self._put_params.pop(memh, None)

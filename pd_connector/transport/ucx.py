@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from . import ucp_ffi
 from .base import BlockCopy, MemoryRegion, Transport
@@ -345,17 +346,17 @@ class UcxTransport(Transport):
         except ValueError as exc:
             _fail(future, exc)
             return
-        put, ep, memh, rkeys = self._poster.put, peer.handle, self._memh, peer.rkeys
-        local_base = {r: self._regions_base(r) for r in memh}
+        ep = peer.handle
         try:
-            for region, src, dst, size in spans.tolist():
-                put(
+            for region in np.unique(spans[:, 0]).tolist():
+                rows = spans[spans[:, 0] == region]
+                self._poster.put_many(
                     ep,
-                    local_base[region] + src,
-                    size,
-                    peer.remote[region].address + dst,
-                    rkeys[region],
-                    memh[region],
+                    (rows[:, 1] + self._regions_base(region)).tolist(),
+                    rows[:, 3].tolist(),
+                    (rows[:, 2] + peer.remote[region].address).tolist(),
+                    peer.rkeys[region],
+                    self._memh[region],
                 )
             request = self._poster.flush(ep)
         except ucp_ffi.UcpError as exc:

@@ -115,7 +115,7 @@ _COUNTER_HELP = {
     "write_seconds": "P: seconds spent writing layers to decode nodes (summed over writes).",
 }
 _HISTOGRAM_HELP = {
-    "transfer_s": "P: seconds from the first offer (start of the prefill) until D acknowledged.",
+    "transfer_s": "P: seconds from the first offer (start of the prefill) until every write landed and Done was sent.",
     "exposed_s": "P: seconds from the end of the last prefill step to Done (not hidden behind compute).",
     "load_s": "D: seconds from the start of a load to the last byte received.",
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import socket
 import time
 from collections.abc import Iterator
 
@@ -11,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_connector.layout import KVLayout
-from pd_connector.transfer import TransferState
+from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from tests.pd_connector.engines import (
     SLACK_S,
@@ -360,3 +362,121 @@ def test_idle_engines_do_not_spin(pair: Pair) -> None:
     time.sleep(1.0)
     busy = (time.process_time() - cpu0) / (time.monotonic() - wall0)
     assert busy < 0.05, f"idle engines used {busy:.1%} of a core"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_many_concurrent_transfers_with_random_failures_end_exactly_once(seed: int) -> None:
+    """30 transfers at once, each with a random fate; every side reports each exactly once, nothing leaks,
+    and every transfer that both sides call DONE carried exact bytes."""
+    rng = random.Random(seed)
+    pr = Pair(lease_s=1.0)
+    fates = ["ok", "ok", "ok", "p_abort", "d_abort", "d_timeout", "p_never", "d_never", "finish_first"]
+    plan = {}
+    free_src, free_dst = list(range(32)), list(range(32))
+    rng.shuffle(free_src)
+    rng.shuffle(free_dst)
+    try:
+        for i in range(30):
+            tid, fate = f"t{i}", rng.choice(fates)
+            src = [free_src[(i + k) % 32] for k in range(2)]
+            dst = [free_dst[(i * 2 + k) % 32] for k in range(2)] if fate in ("ok",) else [free_dst[i % 32]]
+            plan[tid] = (fate, src, dst)
+        # Destination blocks of "ok" transfers must not be shared with any other writer.
+        ok_dst = [b for f, _, d in plan.values() if f == "ok" for b in d]
+        for tid, (fate, src, dst) in plan.items():
+            if fate == "ok" and len(set(ok_dst)) != len(ok_dst):
+                plan[tid] = ("d_abort", src, dst)
+                ok_dst = [b for f, _, d in plan.values() if f == "ok" for b in d]
+        for tid, (fate, src, dst) in plan.items():
+            tokens = 4 * len(dst)
+            if fate != "d_never":
+                pr.d.expect(tid, addr(pr.p), dst, tokens, timeout_s=0.3 if fate == "d_timeout" else 5.0)
+            if fate == "p_never":
+                continue
+            pr.p.offer(tid, src[: len(dst)])
+            if fate == "finish_first":
+                pr.p.finish(tid)  # nothing pushed: the transfer fails, both sides told
+                continue
+            for layer in range(SMALL.num_layers):
+                pr.p.push_layer(tid, layer)
+                if fate == "p_abort" and layer == 1:
+                    pr.p.abort(tid, "chaos")
+                if fate == "d_abort" and layer == 1:
+                    pr.d.abort(tid, "chaos")
+            if fate != "d_timeout":
+                pr.p.finish(tid, first_token=int(tid[1:]))
+        d_ids = {t for t, (f, _, _) in plan.items() if f != "d_never"}
+        p_ids = {t for t, (f, _, _) in plan.items() if f != "p_never"}
+        d_res = wait_results(pr.d, d_ids, timeout_s=15)
+        p_res = wait_results(pr.p, p_ids, timeout_s=15)
+        for tid, (fate, src, dst) in plan.items():
+            d, p = d_res.get(tid), p_res.get(tid)
+            if fate == "ok":
+                assert d is not None and p is not None
+                assert d.state is p.state is TransferState.DONE, (tid, d, p)
+                assert d.first_token == int(tid[1:])
+                pr.assert_copied(src, dst, 4 * len(dst))
+            elif fate in ("p_never", "d_never", "finish_first", "d_timeout"):
+                assert all(r is None or r.state is TransferState.FAILED for r in (d, p)), (tid, fate, d, p)
+            else:  # an abort races the pushes: it may also lose against a transfer that already finished
+                assert {r.state for r in (d, p) if r is not None} <= {
+                    TransferState.ABORTED,
+                    TransferState.DONE,
+                }
+        time.sleep(0.1)
+        assert pr.d.poll() == [] and pr.p.poll() == []
+        assert_no_state(pr.p, pr.d)
+    finally:
+        pr.close()
+
+
+def test_prefill_abort_before_destinations_reaches_decode_at_once() -> None:
+    pr = Pair(lease_s=30.0)
+    with closing(pr.p, pr.d):
+        pr.p.offer("early", [1])
+        pr.p.abort("early", "client left")
+        assert wait_results(pr.p, {"early"})["early"].state is TransferState.ABORTED
+        t0 = time.monotonic()
+        pr.d.expect("early", addr(pr.p), [2], 4)  # D learns at once, not after P's 30 s lease
+        r = wait_results(pr.d, {"early"}, timeout_s=5)["early"]
+        assert r.state is TransferState.ABORTED and "client left" in r.reason
+        assert time.monotonic() - t0 < SLACK_S
+        assert pr.p.table_sizes()["tombstones"] == 0  # consumed
+        assert_no_state(pr.p, pr.d)
+
+
+def test_decode_abort_before_its_destinations_left_releases_prefill_at_once() -> None:
+    pr = Pair(lease_s=30.0)
+    with closing(pr.p, pr.d):
+        pr.p.offer("gone", [1])
+        pr.p.push_layer("gone", 0)
+        pr.d.expect("gone", addr(pr.p), [2], 4)
+        pr.d.abort("gone", "client left")  # most likely before the handshake finished
+        assert wait_results(pr.d, {"gone"})["gone"].state is TransferState.ABORTED
+        r = wait_results(pr.p, {"gone"}, timeout_s=5)["gone"]  # not after the 30 s lease
+        assert r.state is TransferState.ABORTED and "client left" in r.reason
+        assert_no_state(pr.p, pr.d)
+
+
+def test_wildcard_listener_advertises_the_configured_host() -> None:
+    fabric = LoopbackFabric()
+    cache = KVCache(SMALL, 4, seed=None)
+    engine = make_engine(
+        cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", advertise_host="127.0.0.1"
+    )
+    with closing(engine):
+        assert addr(engine).startswith("127.0.0.1:")
+
+
+def test_construction_failures_release_the_transport() -> None:
+    fabric = LoopbackFabric()
+    cache = KVCache(SMALL, 4, seed=None)
+    with pytest.raises(ValueError, match="buffers"):
+        TransferEngine(TransferConfig(engine_id="x"), SMALL, cache.buffers()[:1], LoopbackTransport(fabric))
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(OSError):
+            make_engine(cache, LoopbackTransport(fabric), True, listen_port=taken.getsockname()[1])
+    finally:
+        taken.close()
+    assert len(fabric) == 0
