@@ -487,30 +487,23 @@ def main() -> None:
         f"kv-shaped: {LAYERS} layers x K,V x {PROMPT_BLOCKS} blocks x {KV_BLOCK >> 10} KiB = {KV_BYTES >> 20} MiB, "
         f"{len(layer_copies(0))} block copies per layer, {len(coalesce_runs(layer_copies(0)))} runs after coalescing"
     )
-    drivers: dict[str, Driver] = {}
     seconds: dict[tuple[str, str], list[float]] = {}
     idle: dict[str, float] = {}
-    try:
-        for name in names:
-            log(f"starting {name}")
-            drivers[name] = Driver(name)
-        # Round-robin: every repetition measures every path once, in a shuffled order, so load from other
-        # processes on this shared machine hits all paths alike.
-        order = np.random.default_rng(0)
-        for rep in range(args.reps):
-            for case in CASES:
-                for name in order.permutation(names).tolist():
-                    if case in PATHS[name][0]:
-                        seconds.setdefault((name, case), []).append(
-                            drivers[name].ask(f"run {case}", "SECONDS")
-                        )
-            log(f"repetition {rep + 1}/{args.reps} done")
-        for name in names:
-            if PATHS[name][1]:
-                idle["ours" if name == "ucx_sm" else name] = drivers[name].ask("idle", "IDLE")
-    finally:
-        for driver in drivers.values():
-            driver.stop()
+    # Rounds: every repetition starts each path's sender/receiver pair alone (so NIXL's spinning progress
+    # threads do not slow the others down), measures every case once, and stops it; the order of paths is
+    # shuffled per round, so drifting load from other processes on this shared machine hits all paths alike.
+    order = np.random.default_rng(0)
+    for rep in range(args.reps):
+        for name in order.permutation(names).tolist():
+            driver = Driver(name)
+            try:
+                for case in PATHS[name][0]:
+                    seconds.setdefault((name, case), []).append(driver.ask(f"run {case}", "SECONDS"))
+                if rep == args.reps - 1 and PATHS[name][1]:
+                    idle["ours" if name == "ucx_sm" else name] = driver.ask("idle", "IDLE")
+            finally:
+                driver.stop()
+        log(f"round {rep + 1}/{args.reps} done")
     gbps = {
         name: [round(MESSAGE_BYTES / statistics.median(seconds[name, c]) / 1e9, 3) for c in CASES[:-1]]
         for name in names

@@ -46,6 +46,9 @@ class LoopThread:
     def call_soon(self, fn: Callable[..., object], *args: object) -> None:
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self.loop.is_closed()

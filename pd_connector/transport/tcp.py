@@ -1,15 +1,14 @@
 """Dependency-free data plane over plain TCP (asyncio): the fallback when ``ucxx`` is absent or configured.
 
 Receiver (D) side: ``register`` starts a listener on the configured host/port; every accepted connection is
-a ``_Inbound`` ``BufferedProtocol`` that reads each payload straight into the registered memory (no
-intermediate copy). Sender (P) side: ``attach`` opens one connection per peer; ``write`` coalesces block
-copies into spans and sends each as one frame; a ``Flush`` after the spans is answered by an ``Ack`` once the
-receiver has stored everything before it (TCP keeps order), which resolves the write future.
-
-Frame: 4-byte big-endian header length, a msgspec-msgpack header, then ``Put.length`` raw payload bytes.
-The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
+a ``_Inbound`` ``BufferedProtocol``. Sender (P) side: ``attach`` opens one connection per peer; ``write``
+coalesces block copies into runs and sends long runs as ``Put`` frames (read straight into the registered
+memory, no intermediate copy) and short ones gathered into ``PutBlocks`` frames (scattered by numpy); a
+``Flush`` after them is answered by an ``Ack`` once the receiver has stored everything before it (TCP keeps
+order), which resolves the write future. Wire format: ``tcp_wire``. The first frame must be a ``Hello`` carrying the random token from the descriptor; anything else, an
 unknown region, an out-of-range span or an oversized frame drops that connection (logged) and leaves the
-others alone. All socket work runs on the transport's own I/O thread (``LoopThread``).
+others alone. All socket work runs on the transport's own I/O thread (``LoopThread``); write futures resolve
+there, so their done-callbacks must be quick and non-blocking (``detach`` from one is scheduled, not awaited).
 """
 
 from __future__ import annotations
@@ -20,31 +19,47 @@ import hmac
 import logging
 import secrets
 import socket
-import struct
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion, Transport
 from .loop_thread import LoopThread
 from .regions import RegionInfo, RegionTable, host_view, plan
+from .tcp_wire import (
+    LENGTH,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Ack,
+    Flush,
+    Frame,
+    FrameError,
+    Hello,
+    Put,
+    PutBlocks,
+    TcpDescriptor,
+    decoder,
+    encode_frame,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PROTOCOL_VERSION = 1
-_LEN = struct.Struct("!I")
-#: Headers are a few dozen bytes; anything larger is garbage.
-MAX_HEADER_BYTES = 1024
 #: Receive buffer for headers and small payloads (bigger payloads are read straight into place).
 SCRATCH_BYTES = 256 << 10
-#: Small frames are gathered into one sendmsg of up to this many bytes / buffers.
+#: Frames are gathered into one sendmsg of up to this many bytes / buffers.
 BATCH_BYTES = 1 << 20
 BATCH_PARTS = 512
+#: Runs at least this long are sent as ``Put`` (read straight into place); shorter ones as ``PutBlocks``.
+DIRECT_MIN_BYTES = 256 << 10
+#: Payload of one ``PutBlocks`` frame.
+BLOCKS_FRAME_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -61,52 +76,8 @@ class TcpConfig:
     max_frame_bytes: int = 64 << 20
     #: Seconds ``attach`` may take to connect and say hello.
     connect_timeout_s: float = 10.0
-    #: SO_SNDBUF / SO_RCVBUF in bytes (0 keeps the kernel default).
+    #: SO_SNDBUF of data connections in bytes (0 keeps the kernel default).
     socket_buffer_bytes: int = 4 << 20
-
-
-class TcpDescriptor(msgspec.Struct, frozen=True):
-    """What ``register`` publishes: where to connect, the token to present, and the region table."""
-
-    version: int
-    host: str
-    port: int
-    token: bytes
-    regions: list[RegionInfo]
-
-
-class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    version: int
-    token: bytes
-
-
-class Put(msgspec.Struct, frozen=True, tag="put"):
-    region: int
-    offset: int
-    length: int
-
-
-class Flush(msgspec.Struct, frozen=True, tag="flush"):
-    seq: int
-
-
-class Ack(msgspec.Struct, frozen=True, tag="ack"):
-    seq: int
-
-
-Frame = Hello | Put | Flush | Ack
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Frame)
-
-
-def encode_frame(frame: Frame) -> bytes:
-    """Length-prefixed header (the payload of a ``Put`` follows it on the wire)."""
-    header = _encoder.encode(frame)
-    return _LEN.pack(len(header)) + header
-
-
-class FrameError(Exception):
-    """A peer sent something that is not our protocol (the connection is dropped)."""
 
 
 class _Inbound(asyncio.BufferedProtocol):
@@ -125,7 +96,8 @@ class _Inbound(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._authenticated = False
-        self._payload: memoryview | None = None  # what remains to fill of the current Put
+        self._payload: memoryview | None = None  # what remains to fill of the current Put / PutBlocks
+        self._on_payload: Callable[[], None] | None = None  # run when that payload is complete
         self._direct = False  # the last get_buffer handed out the payload itself
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,15 +119,17 @@ class _Inbound(asyncio.BufferedProtocol):
         if self._direct:
             assert self._payload is not None
             self._payload = self._payload[nbytes:] if nbytes < len(self._payload) else None
+            if self._payload is None:
+                try:
+                    self._payload_done()
+                except FrameError as exc:
+                    self._drop(exc)
             return
         self._end += nbytes
         try:
             self._parse()
         except FrameError as exc:
-            self._owner.dropped_connections += 1
-            log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
-            assert self._transport is not None
-            self._transport.abort()
+            self._drop(exc)
 
     def _parse(self) -> None:
         """Consume every complete header and buffered payload byte in scratch."""
@@ -168,23 +142,36 @@ class _Inbound(asyncio.BufferedProtocol):
                 self._payload = self._payload[take:] if take < len(self._payload) else None
                 if self._payload is not None:
                     break
+                self._payload_done()
                 continue
-            if self._end - self._start < _LEN.size:
+            if self._end - self._start < LENGTH.size:
                 break
-            (size,) = _LEN.unpack(buf[self._start : self._start + _LEN.size])
+            (size,) = LENGTH.unpack(buf[self._start : self._start + LENGTH.size])
             if not 0 < size <= MAX_HEADER_BYTES:
                 raise FrameError(f"header length {size} out of range")
-            if self._end - self._start < _LEN.size + size:
+            if self._end - self._start < LENGTH.size + size:
                 break
-            header = buf[self._start + _LEN.size : self._start + _LEN.size + size]
-            self._start += _LEN.size + size
+            header = buf[self._start + LENGTH.size : self._start + LENGTH.size + size]
+            self._start += LENGTH.size + size
             try:
-                frame = _decoder.decode(header)
+                frame = decoder.decode(header)
             except msgspec.DecodeError as exc:
                 raise FrameError(f"undecodable header ({exc})") from None
             self._handle(frame)
         if self._start == self._end:
             self._start = self._end = 0
+
+    def _payload_done(self) -> None:
+        """Finish a completed payload (scatter a ``PutBlocks``); may raise ``FrameError``."""
+        if self._on_payload is not None:
+            done, self._on_payload = self._on_payload, None
+            done()
+
+    def _drop(self, exc: FrameError) -> None:
+        self._owner.dropped_connections += 1
+        log.error("tcp transport: dropping data connection from %s: %s", self._peer, exc)
+        assert self._transport is not None
+        self._transport.abort()
 
     def _handle(self, frame: Frame) -> None:
         if not self._authenticated:
@@ -197,6 +184,8 @@ class _Inbound(asyncio.BufferedProtocol):
             self._authenticated = True
         elif isinstance(frame, Put):
             self._payload = self._owner.destination(frame)
+        elif isinstance(frame, PutBlocks):
+            self._payload, self._on_payload = self._owner.scatter(frame)
         elif isinstance(frame, Flush):
             assert self._transport is not None
             self._transport.write(encode_frame(Ack(frame.seq)))
@@ -214,7 +203,7 @@ class _Inbound(asyncio.BufferedProtocol):
 
 @dataclass
 class _Job:
-    spans: list[list[int]]  # (region, src offset, dst offset, bytes)
+    spans: npt.NDArray[np.int64]  # rows of (region, src offset, dst offset, bytes), see regions.plan
     nbytes: int
     future: Future[int]
 
@@ -263,23 +252,42 @@ class _Outbound:
             self.fail(ConnectionError(f"tcp transport: sending to {self.peer_id} failed: {exc}"))
 
     def _frames(self, job: _Job) -> Iterator[memoryview | bytes]:
-        """Header and payload view of every frame of ``job`` (spans cut at ``max_frame_bytes``)."""
+        """Header and payload parts of every frame of ``job``: long runs as ``Put`` (cut at
+        ``max_frame_bytes``), short ones gathered into ``PutBlocks`` frames."""
         limit = self._owner.config.max_frame_bytes
-        for region, src, dst, nbytes in job.spans:
+        for region in np.unique(job.spans[:, 0]).tolist():
+            rows = job.spans[job.spans[:, 0] == region]
             base = self._owner.local_view(region)
-            for start in range(0, nbytes, limit):
-                size = min(limit, nbytes - start)
-                yield encode_frame(Put(region, dst + start, size))
-                yield base[src + start : src + start + size]
+            for _, src, dst, nbytes in rows[rows[:, 3] >= DIRECT_MIN_BYTES].tolist():
+                for start in range(0, nbytes, limit):
+                    size = min(limit, nbytes - start)
+                    yield encode_frame(Put(region, dst + start, size))
+                    yield base[src + start : src + start + size]
+            small = rows[rows[:, 3] < DIRECT_MIN_BYTES]
+            if len(small):
+                yield from self._block_frames(region, small, base)
+
+    def _block_frames(self, region: int, rows: npt.NDArray[np.int64], base: memoryview) -> Iterator[bytes]:
+        block_bytes = self.remote[region].block_bytes
+        counts = rows[:, 3] // block_bytes
+        src = _expand(rows[:, 1] // block_bytes, counts)
+        dst = _expand(rows[:, 2] // block_bytes, counts).astype("<i4")
+        blocks = np.frombuffer(base, dtype=np.uint8).reshape(-1, block_bytes)
+        per_frame = max(1, min(BLOCKS_FRAME_BYTES, self._owner.config.max_frame_bytes) // (4 + block_bytes))
+        for i in range(0, len(src), per_frame):
+            index = dst[i : i + per_frame]
+            yield encode_frame(PutBlocks(region, block_bytes, len(index)))
+            yield index.tobytes()
+            yield blocks[src[i : i + per_frame]].tobytes()
 
     async def _ack_loop(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                size = _LEN.unpack(await _recv_exactly(loop, self._sock, _LEN.size))[0]
+                size = LENGTH.unpack(await _recv_exactly(loop, self._sock, LENGTH.size))[0]
                 if not 0 < size <= MAX_HEADER_BYTES:
                     raise ConnectionError(f"bad ack length {size}")
-                frame = _decoder.decode(await _recv_exactly(loop, self._sock, size))
+                frame = decoder.decode(await _recv_exactly(loop, self._sock, size))
                 if not isinstance(frame, Ack) or not self._pending or self._pending[0][0] != frame.seq:
                     raise ConnectionError(f"unexpected reply {frame!r}")
                 _, job = self._pending.popleft()
@@ -288,11 +296,12 @@ class _Outbound:
         except (OSError, msgspec.DecodeError) as exc:
             self.fail(ConnectionError(f"tcp transport: connection to {self.peer_id} lost: {exc}"))
 
-    def fail(self, error: Exception) -> None:
-        """Fail every pending and queued write, close the socket (idempotent)."""
+    def fail(self, error: Exception, quiet: bool = False) -> None:
+        """Fail every pending and queued write, close the socket (idempotent; ``quiet`` for a detach)."""
         if self._error is None:
             self._error = error
-            log.warning("%s", error)
+            if not quiet:
+                log.warning("%s", error)
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -351,16 +360,23 @@ class TcpTransport(Transport):
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
-        if not self._io.running:
-            return _failed(RuntimeError("tcp transport is closed"))
-        self._io.call_soon(self._post, peer_id, copies, future)
+        try:
+            if not self._io.running:
+                raise RuntimeError("tcp transport is closed")
+            self._io.call_soon(self._post, peer_id, copies, future)
+        except RuntimeError as exc:  # closed, possibly while we were scheduling
+            _fail(future, RuntimeError(f"tcp transport is closed ({exc})"))
         return future
 
     def detach(self, peer_id: str) -> None:
-        if self._io.running:
+        if self._io.on_loop_thread():  # from a write future's done-callback, which runs on the I/O thread
+            self._io.loop.create_task(self._detach(peer_id))
+        elif self._io.running:
             self._io.submit(self._detach(peer_id)).result(self.config.connect_timeout_s)
 
     def close(self) -> None:
+        if self._io.on_loop_thread():
+            raise RuntimeError("close() must not be called from the transport's own I/O thread")
         if self._io.running:
             with contextlib.suppress(Exception):
                 self._io.submit(self._shutdown()).result(self.config.connect_timeout_s)
@@ -408,6 +424,26 @@ class TcpTransport(Transport):
             raise FrameError(f"put [{put.offset}, {put.offset + put.length}) outside region {put.region}")
         return view[put.offset : put.offset + put.length]
 
+    def scatter(self, frame: PutBlocks) -> tuple[memoryview, Callable[[], None]]:
+        """Receiver side: a staging buffer for a ``PutBlocks`` payload and the step that scatters it."""
+        view = self._views.get(frame.region)
+        region = self._regions.get(frame.region)
+        if view is None or region is None:
+            raise FrameError(f"blocks into unknown region {frame.region}")
+        size = frame.count * (4 + frame.block_bytes)
+        if frame.block_bytes != region.block_bytes or not 0 < size <= self.config.max_frame_bytes:
+            raise FrameError(f"blocks frame {frame} does not fit region {frame.region}")
+        staging = np.empty(size, dtype=np.uint8)
+        blocks = np.frombuffer(view, dtype=np.uint8).reshape(-1, region.block_bytes)
+
+        def place() -> None:
+            index = staging[: 4 * frame.count].view("<i4")
+            if index.size and (index.min() < 0 or index.max() >= len(blocks)):
+                raise FrameError(f"block index out of range for region {frame.region}")
+            blocks[index] = staging[4 * frame.count :].reshape(frame.count, frame.block_bytes)
+
+        return staging.data, place
+
     def local_view(self, region: int) -> memoryview:
         return self._views[region]
 
@@ -435,7 +471,7 @@ class TcpTransport(Transport):
     def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
         conn = self._outbound.get(peer_id)
         if conn is None:
-            _fail(future, KeyError(f"peer {peer_id!r} is not attached"))
+            _fail(future, ConnectionError(f"tcp transport: peer {peer_id!r} is not attached"))
             return
         try:
             spans, nbytes = plan(copies, self._regions, conn.remote)
@@ -445,12 +481,12 @@ class TcpTransport(Transport):
         if nbytes == 0:
             future.set_result(0)
             return
-        conn.post(_Job(spans.tolist(), nbytes, future))
+        conn.post(_Job(spans, nbytes, future))
 
     async def _detach(self, peer_id: str) -> None:
         conn = self._outbound.pop(peer_id, None)
         if conn is not None:
-            conn.fail(ConnectionError(f"tcp transport: peer {peer_id} detached"))
+            conn.fail(ConnectionError(f"tcp transport: peer {peer_id} detached"), quiet=True)
 
     async def _shutdown(self) -> None:
         for peer_id in list(self._outbound):
@@ -511,6 +547,12 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, si
             raise ConnectionResetError("peer closed the connection")
         got += n
     return bytes(buf)
+
+
+def _expand(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Runs (start, count) -> every index they cover, in order (vectorised)."""
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets
 
 
 def _fail(future: Future[int], error: Exception) -> None:

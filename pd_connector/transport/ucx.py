@@ -13,6 +13,9 @@ Why this shape:
 - A write that is not flushed within ``write_timeout_s`` (peer dead, link gone) fails its future with
   ``TimeoutError`` and the peer's endpoint is dropped: futures never hang. ``detach`` fails them at once.
 
+Write futures resolve on the I/O thread: done-callbacks must be quick and must not block (hand the work to
+your own loop, as the transfer engine does); ``detach`` from such a callback runs inline.
+
 The RMA calls ``ucxx`` does not expose (mem_map, rkeys, put, flush) come from ``ucp_ffi``.
 """
 
@@ -135,6 +138,8 @@ class UcxTransport(Transport):
         self._epoll = select.epoll()
         self._epoll.register(self._wake_fd, select.EPOLLIN)
         self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
+        self._submit_lock = threading.Lock()
+        self._closing = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
         self._thread.start()
@@ -186,10 +191,14 @@ class UcxTransport(Transport):
             self._call(lambda: self._drop(peer_id, error, quiet=True)).result(self.config.call_timeout_s)
 
     def close(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("close() must not be called from the transport's own I/O thread")
         if not self._thread.is_alive():
             return
+        with self._submit_lock:  # from now on new work is refused; what is queued runs before the shutdown
+            self._closing = True
         try:
-            self._call(self._shutdown).result(self.config.call_timeout_s)
+            self._call(self._shutdown, accept_while_closing=True).result(self.config.call_timeout_s)
         finally:
             self._stopping = True
             self._wake()
@@ -206,14 +215,22 @@ class UcxTransport(Transport):
         return sorted(self._memh)
 
     # -- hand-over to the I/O thread -------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None]) -> None:
-        if self._stopping or not self._thread.is_alive():
-            raise RuntimeError("ucx transport is closed")
-        self._inbox.put(fn)
+    def _submit(self, fn: Callable[[], None], accept_while_closing: bool = False) -> None:
+        with self._submit_lock:
+            if (self._closing and not accept_while_closing) or not self._thread.is_alive():
+                raise RuntimeError("ucx transport is closed")
+            self._inbox.put(fn)
         self._wake()
 
-    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+    def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
+        """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
         future: Future[Any] = Future()
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
 
         def run() -> None:
             try:
@@ -222,7 +239,7 @@ class UcxTransport(Transport):
                 future.set_exception(exc)
 
         try:
-            self._submit(run)
+            self._submit(run, accept_while_closing)
         except RuntimeError as exc:
             future.set_exception(exc)
         return future
@@ -268,11 +285,16 @@ class UcxTransport(Transport):
         still: list[_Pending] = []
         for item in self._pending:
             if item.future.done():  # failed by detach/close; keep polling only to free the request
-                if (
-                    item.request is not None
-                    and self._poster.request_status(item.request) == ucp_ffi.UCS_INPROGRESS
-                ):
+                if item.request is None:
+                    continue
+                if self._poster.request_status(item.request) != ucp_ffi.UCS_INPROGRESS:
+                    continue
+                if now < item.deadline + self.config.write_timeout_s:
                     still.append(item)
+                else:  # UCX never completed it (a peer that vanished without error handling): give up on it
+                    log.warning(
+                        "ucx transport: abandoning a flush request to %s that never completed", item.peer_id
+                    )
                 continue
             status = ucp_ffi.UCS_OK if item.request is None else self._poster.request_status(item.request)
             if status == ucp_ffi.UCS_OK:
@@ -299,11 +321,20 @@ class UcxTransport(Transport):
         self._pending = still
 
     def _map(self, regions: Sequence[MemoryRegion]) -> None:
+        """Map every region (all or nothing: a failure unmaps what this call mapped)."""
         ctx = self._context.handle
-        for region in regions:
-            memh = ucp_ffi.mem_map(ctx, region.address, region.length)
-            self._memh[region.region_id] = memh
-            self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
+        mapped: list[int] = []
+        try:
+            for region in regions:
+                memh = ucp_ffi.mem_map(ctx, region.address, region.length)
+                self._memh[region.region_id] = memh
+                mapped.append(region.region_id)
+                self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
+        except ucp_ffi.UcpError:
+            for region_id in mapped:
+                self._rkeys_packed.pop(region_id, None)
+                ucp_ffi.mem_unmap(ctx, self._memh.pop(region_id))
+            raise
 
     def _connect(self, peer_id: str, desc: UcxDescriptor) -> None:
         self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} re-attached"), quiet=True)
@@ -336,7 +367,11 @@ class UcxTransport(Transport):
             self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
         peer = self._peers.get(peer_id)
         if peer is None:
-            _fail(future, self._broken.get(peer_id) or KeyError(f"peer {peer_id!r} is not attached"))
+            _fail(
+                future,
+                self._broken.get(peer_id)
+                or ConnectionError(f"ucx transport: peer {peer_id!r} is not attached"),
+            )
             return
         try:
             spans, nbytes = plan(copies, self._regions, peer.remote)

@@ -63,6 +63,12 @@ class PeerProcess:
     def expected_digests(self) -> list[str]:
         return [hashlib.sha256(region.tobytes()).hexdigest() for region in self.mirror]
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the peer process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)

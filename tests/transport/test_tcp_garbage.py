@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion
-from pd_connector.transport.tcp import PROTOCOL_VERSION, Hello, Put, TcpTransport, encode_frame
+from pd_connector.transport.tcp import TcpTransport
+from pd_connector.transport.tcp_wire import PROTOCOL_VERSION, Hello, Put, PutBlocks, encode_frame
 
 pytestmark = pytest.mark.unit
 
@@ -32,6 +33,13 @@ ATTACKS: dict[str, bytes | Callable[[bytes], bytes]] = {
     "wrong token": _hello(b"x" * 16),
     "put outside the region": lambda token: _hello(token) + encode_frame(Put(0, BLOCKS * BLOCK_BYTES, 8)),
     "oversized frame": lambda token: _hello(token) + encode_frame(Put(0, 0, 1 << 40)),
+    "blocks of the wrong size": lambda token: _hello(token) + encode_frame(PutBlocks(0, 512, 1)),
+    "block index out of range": lambda token: (
+        _hello(token)
+        + encode_frame(PutBlocks(0, BLOCK_BYTES, 1))
+        + struct.pack("<i", BLOCKS)
+        + b"\1" * BLOCK_BYTES
+    ),
 }
 
 

@@ -3,9 +3,10 @@ when the peer dies. The receiver runs in a second process (``peer_process``), th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 
 import numpy as np
 import pytest
@@ -58,6 +59,30 @@ def test_random_block_maps_arrive_exactly(
     assert peer.digests() == peer.expected_digests()
 
 
+def test_long_and_short_runs_in_one_write_arrive_exactly(
+    pair: tuple[Transport, PeerProcess, np.ndarray],
+) -> None:
+    """Whole regions (256 KiB runs: read straight into place over TCP) next to single scattered blocks."""
+    sender, peer, src = pair
+    src[:] = np.random.default_rng(7).integers(0, 256, src.shape, dtype=np.uint8)
+    copies = [BlockCopy(0, 0, 0, BLOCKS), BlockCopy(1, 0, 0, BLOCKS)]
+    copies += [BlockCopy(2, s, BLOCKS - 1 - s) for s in range(0, BLOCKS, 3)]
+    assert sender.write("peer", copies).result(30) == (2 * BLOCKS + len(range(0, BLOCKS, 3))) * BLOCK_BYTES
+    peer.mirror[0], peer.mirror[1] = src[0], src[1]
+    for s in range(0, BLOCKS, 3):
+        peer.mirror[2, BLOCKS - 1 - s] = src[2, s]
+    assert peer.digests() == peer.expected_digests()
+
+
+def test_an_idle_connection_does_not_spin(pair: tuple[Transport, PeerProcess, np.ndarray]) -> None:
+    """Both ends of an attached, idle pair use well under 2 % of a core (CPU time, not wall time)."""
+    _, peer, _ = pair
+    start_self, start_peer = time.process_time(), peer.cpu_seconds()
+    time.sleep(1.0)
+    used = time.process_time() - start_self + peer.cpu_seconds() - start_peer
+    assert used < 0.02, f"idle pair used {100 * used:.1f} % of a core"
+
+
 def test_bad_requests_fail_the_future_and_write_nothing(
     pair: tuple[Transport, PeerProcess, np.ndarray],
 ) -> None:
@@ -72,7 +97,7 @@ def test_bad_requests_fail_the_future_and_write_nothing(
         with pytest.raises(ValueError):
             sender.write("peer", copies).result(10)
         assert peer.digests() == before, why
-    with pytest.raises(KeyError, match="not attached"):
+    with pytest.raises(ConnectionError, match="not attached"):
         sender.write("nobody", [BlockCopy(0, 0, 0)]).result(10)
     assert sender.write("peer", []).result(10) == 0
 
@@ -113,3 +138,27 @@ def test_peer_killed_fails_writes_in_bounded_time_and_leaks_nothing(
     finally:
         sender.close()
     assert sender.registered_regions() == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("kind", "tls"), TRANSPORTS, ids=TRANSPORT_IDS)
+def test_detach_from_a_done_callback_does_not_deadlock(kind: str, tls: str) -> None:
+    """Write futures resolve on the transport's I/O thread; detaching from their callback must not hang."""
+    transport = build(kind, tls)
+    try:
+        data, regions = local_regions(1, 4, BLOCK_BYTES, seed=5)
+        transport.attach("self", transport.register(regions)).result(10)  # write into our own memory
+        detached = threading.Event()
+
+        def on_done(_: Future[int]) -> None:
+            transport.detach("self")
+            detached.set()
+
+        transport.write("self", [BlockCopy(0, 0, 2, 2)]).add_done_callback(on_done)
+        assert detached.wait(10), "detach from the I/O thread hung"
+        assert (data[0, 2:] == data[0, :2]).all()
+        deadline = time.monotonic() + 5
+        while transport.attached_peers() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        assert transport.attached_peers() == []  # type: ignore[attr-defined]
+    finally:
+        transport.close()
