@@ -100,6 +100,7 @@ class WorkerSide:
         # D: transfer id -> request id of loads in flight, and loads that could not even start.
         self._recv_req: dict[str, str] = {}
         self._recv_failed_at_start: set[str] = set()
+        self._recv_aborted: set[str] = set()  # D's scheduler aborted these requests itself
 
     # ---- start-up ----
 
@@ -196,6 +197,7 @@ class WorkerSide:
         for req_id in meta.aborted_recvs:
             tid = next((t for t, r in self._recv_req.items() if r == req_id), None)
             if tid is not None:
+                self._recv_aborted.add(req_id)
                 self._eng.abort(tid, "request aborted on the decode side")
 
     # ---- both ----
@@ -226,9 +228,16 @@ class WorkerSide:
                     if req_id is None:
                         continue
                     recving.add(req_id)
-                    if result.state is TransferState.FAILED:
+                    aborted_here = req_id in self._recv_aborted
+                    self._recv_aborted.discard(req_id)
+                    # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
+                    # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
+                    if result.state is not TransferState.DONE and not aborted_here:
                         logger.warning(
-                            "PDConnector: load of %s failed: %s", result.transfer_id, result.reason
+                            "PDConnector: load of %s %s: %s",
+                            result.transfer_id,
+                            result.state.value,
+                            result.reason,
                         )
                         failed.add(req_id)
         sending: set[str] = set()
