@@ -4,7 +4,7 @@ Decides per request what the connector does, from the request's ``kv_transfer_pa
 - P (``pd_role: prefill`` from our router, or vLLM's standard ``do_remote_decode: true``): follow every
   scheduled step of the prompt (every chunk under chunked prefill) and tell the worker which blocks each
   step writes; when the request finishes, keep its blocks (``request_finished -> True``) until the worker
-  reports the transfer released (D acked, failed, aborted, or lease expired).
+  reports the transfer ended (every write landed and Done sent, failed, aborted, or lease expired).
 - D (``pd_role: decode``, or ``do_remote_prefill: true`` with the params P returned): report the prompt's
   uncomputed tokens as external and asynchronous (``get_num_new_matched_tokens -> (n, True)``), so vLLM
   allocates the blocks and parks the request until the worker finished loading them. A load is attempted

@@ -108,10 +108,10 @@ class StatsRecorder:
 _COUNTER_HELP = {
     "bytes_sent": "KV bytes P pushed to decode nodes.",
     "bytes_received": "KV bytes D received from prefill nodes.",
-    "transfers_sent": "Transfers P completed (acknowledged by D).",
+    "transfers_sent": "Transfers P completed (every write landed in D, Done sent).",
     "transfers_received": "Transfers D completed.",
     "failures": "Transfers that failed (peer died, timeout, refused).",
-    "expired_leases": "P transfers whose lease expired before D acknowledged (blocks freed).",
+    "expired_leases": "P transfers whose lease expired (D never came or stalled; blocks freed).",
     "write_seconds": "P: seconds spent writing layers to decode nodes (summed over writes).",
 }
 _HISTOGRAM_HELP = {
