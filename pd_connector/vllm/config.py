@@ -1,0 +1,106 @@
+"""``kv_connector_extra_config`` of the PDConnector, parsed and validated once per process.
+
+Both roles read the same keys (P uses the side-channel address it listens on and the lease; D the load
+timeout), so one frozen dataclass covers both. Unknown keys and wrong types are rejected at start-up: a typo
+in a JSON file must not silently fall back to a default. Every key is documented in docs/configuration.md
+(``## vLLM PDConnector``); the lifecycle keys map 1:1 onto ``pd_connector.transfer.TransferConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal, cast
+
+from pd_connector.transfer import TransferConfig
+from pd_connector.transport.factory import TransportConfig
+from pd_connector.transport.tcp import TcpConfig
+
+TRANSPORTS = ("tcp", "ucx", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class PDConnectorConfig:
+    """Settings of one PDConnector instance (seconds for every ``*_s``)."""
+
+    #: P: address the side-channel listener binds to (the router's ``bootstrap`` host for this P).
+    side_channel_host: str = "127.0.0.1"
+    #: P: side-channel port; 0 lets the kernel pick one (then D cannot be told it: tests only).
+    side_channel_port: int = 0
+    #: Data plane: "tcp" (dependency-free), "ucx" (ucxx: shared memory / RDMA), "auto" (ucx if installed).
+    transport: str = "tcp"
+    #: Address the TCP data listener binds to (D receives there; "0.0.0.0" across hosts).
+    data_host: str = "127.0.0.1"
+    #: Address peers use to reach the TCP data listener (needed when ``data_host`` is 0.0.0.0).
+    data_advertise_host: str = ""
+    #: D: how long a request may wait for its KV before ``kv_load_failure_policy`` applies.
+    load_timeout_s: float = 30.0
+    #: Connecting and handshaking with a peer.
+    connect_timeout_s: float = 5.0
+    #: P: idle lease of a transfer; a D that never shows up (or stalls) frees P's blocks after this.
+    lease_s: float = 60.0
+    #: After an abort, how long a side waits for the peer's acknowledgement before closing the connection.
+    abort_grace_s: float = 5.0
+    #: Control-connection heartbeat period and the silence after which a peer is declared dead.
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    #: Shared HMAC-SHA256 key for the control plane ("" disables authentication: trusted networks only).
+    secret: str = ""
+    #: Test only (P): honour ``"pd_test_corrupt": true`` in a request's kv_transfer_params by zeroing its KV
+    #: before it is pushed, so tests can prove D uses the transferred bytes. Requires P without prefix
+    #: caching (zeroed blocks must never be reused). Never enable in production.
+    test_allow_corruption: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not 0 <= self.side_channel_port <= 65535:
+            raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+        # TransferConfig validates the lifecycle settings (positive times, heartbeat ordering).
+        self.transfer_config("check")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PDConnectorConfig:
+        """Build from ``kv_connector_extra_config``; unknown keys and wrong types raise ``ValueError``."""
+        extra = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown PDConnector kv_connector_extra_config keys: {unknown}")
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            kind = type(getattr(cls, key))
+            if kind is bool:
+                ok = isinstance(raw, bool)
+            elif kind is float:
+                ok = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+                raw = float(raw) if ok else raw
+            elif kind is int:
+                ok = isinstance(raw, int) and not isinstance(raw, bool)
+            else:
+                ok = isinstance(raw, str)
+            if not ok:
+                raise ValueError(f"{key} must be of type {kind.__name__}, got {raw!r}")
+            values[key] = raw
+        return cls(**values)
+
+    def transfer_config(self, engine_id: str, listen: bool = False) -> TransferConfig:
+        """The transfer engine's settings; ``listen`` (P roles) opens the side channel."""
+        return TransferConfig(
+            engine_id=engine_id,
+            listen_host=self.side_channel_host,
+            listen_port=self.side_channel_port if listen else None,
+            connect_timeout_s=self.connect_timeout_s,
+            load_timeout_s=self.load_timeout_s,
+            lease_s=self.lease_s,
+            abort_grace_s=self.abort_grace_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            secret=self.secret.encode() or None,
+        )
+
+    def transport_config(self) -> TransportConfig:
+        return TransportConfig(
+            kind=cast(Literal["ucx", "tcp", "auto"], self.transport),
+            tcp=TcpConfig(host=self.data_host, advertise_host=self.data_advertise_host or None),
+        )

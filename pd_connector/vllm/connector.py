@@ -1,0 +1,177 @@
+"""``PDConnector``: the thin facade vLLM instantiates (``"kv_connector": "PDConnector"``).
+
+vLLM creates one instance with role SCHEDULER in the EngineCore process and one with role WORKER in each
+worker process; this class only routes each ``KVConnectorBase_V1`` hook to ``SchedulerSide`` or
+``WorkerSide`` (which hold all state) and converts between their types and vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pd_connector.vllm.config import PDConnectorConfig
+from pd_connector.vllm.metadata import PDConnectorMetadata
+from pd_connector.vllm.scheduler_side import SchedulerSide
+from pd_connector.vllm.stats import PDConnectorStats, PDPromMetrics
+from pd_connector.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class PDConnector(KVConnectorBase_V1):
+    """Layer-wise KV push from prefill to decode engines (see pd_connector/vllm/__init__.py)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        transfer = self._kv_transfer_config
+        self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            addr = f"{self._config.side_channel_host}:{self._config.side_channel_port}"
+            self._scheduler = SchedulerSide(block_size, addr, self._config.test_allow_corruption)
+        else:
+            if kv_cache_config is None:
+                raise ValueError("PDConnector worker needs the KV cache config")
+            self._worker = WorkerSide(
+                self._config,
+                str(transfer.engine_id),
+                block_size,
+                kv_cache_config.num_blocks,
+                producer=transfer.is_kv_producer,
+                consumer=transfer.is_kv_consumer,
+            )
+
+    # ---- helpers ----
+
+    @property
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side hook called on a worker-side PDConnector")
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-side hook called on a scheduler-side PDConnector")
+        return self._worker
+
+    def _meta(self) -> PDConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, PDConnectorMetadata):
+            raise TypeError(f"PDConnector got {type(meta).__name__} metadata")
+        return meta
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._work.bind(self._meta())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: D's requests only run after their whole KV arrived (async loads)."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        self._work.save_kv_layer(self._meta(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._work.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._meta() if self.has_connector_metadata() else None
+        sending, recving, failed = self._work.transfer_results(meta)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._work.transfer_results()
+        return sending or None, recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker: this interval's transfer stats. vLLM also asks the scheduler side, which has none."""
+        return self._worker.stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ----
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched.update_connector_output(set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched.has_pending_work()
+
+    # ---- metrics (class level: built in the API server process) ----
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PDConnectorStats(data=data) if data is not None else PDConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,277 @@
+"""Worker-side half of the PDConnector (runs in each vLLM worker process, next to the KV cache tensors).
+
+Maps vLLM's per-step and per-layer hooks onto one ``pd_connector.transfer.TransferEngine`` (see the table
+in docs/architecture.md). Every engine call returns at once; bytes move on the engine's I/O thread, so:
+- P (producer): ``bind`` offers each scheduled request's block table (again per chunk), ``save_kv_layer``
+  (called right after each attention layer wrote its KV) pushes that layer's new blocks while the next layer
+  computes, and ``wait_for_save`` finishes a transfer after the step that completed its prompt.
+- D (consumer): ``start_load_kv`` expects each request the scheduler parked in WAITING_FOR_REMOTE_KVS
+  (vLLM calls it after the forward pass: nothing in D's forward waits on these loads).
+``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids. A P
+transfer that ended is reported to vLLM only once its request also finished in P's scheduler (vLLM frees
+blocks of finished requests only); one that ended early (D gone) is no longer fed by later chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from pd_connector.layout import KVLayout
+from pd_connector.transfer import TransferEngine, TransferResult, TransferState
+from pd_connector.transport.factory import create_transport
+from pd_connector.vllm.config import PDConnectorConfig
+from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
+from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
+
+#: Pause of an idle engine step while transfers are pending (bounds the spin; adds at most this latency).
+IDLE_STEP_PAUSE_S = 0.005
+
+# Under "vllm." so records go through the handlers vLLM configures in its processes.
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def cpu_kv_layout(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+) -> tuple[KVLayout, list[tuple[int, int]]]:
+    """Describe vLLM's CPU KV cache ``[blocks, kv_heads, block_size, head_k + head_v]`` (one packed buffer
+    per layer, heads-major blocks) and list the buffers; other layouts are refused with a clear error."""
+    if not kv_caches:
+        raise ValueError("PDConnector needs at least one KV cache layer")
+    shapes = {tuple(t.shape) for t in kv_caches.values()}
+    dtypes = {t.dtype for t in kv_caches.values()}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise ValueError(f"PDConnector needs equal layers, got shapes {shapes} and dtypes {dtypes}")
+    shape = shapes.pop()
+    for name, tensor in kv_caches.items():
+        if (
+            tensor.device.type != "cpu"
+            or len(shape) != 4
+            or shape[0] != num_blocks
+            or not tensor.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not the CPU layout "
+                f"[{num_blocks} blocks, kv_heads, block_size, head_k + head_v] PDConnector supports"
+            )
+    layout = KVLayout(
+        num_layers=len(kv_caches),
+        block_tokens=shape[2],
+        num_kv_heads=shape[1],
+        head_dim=shape[3] // 2,
+        dtype=str(dtypes.pop()).removeprefix("torch."),
+        kv_split=False,
+        token_major=False,
+    )
+    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()]
+    return layout, buffers
+
+
+class WorkerSide:
+    """One worker's transfer engine and the request-id bookkeeping around it."""
+
+    def __init__(
+        self,
+        config: PDConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        num_blocks: int,
+        producer: bool,
+        consumer: bool,
+    ) -> None:
+        self._config = config
+        self._engine_id = engine_id
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._producer = producer
+        self._consumer = consumer
+        self._stats = StatsRecorder()
+        self._engine: TransferEngine | None = None
+        self._layer_index: dict[str, int] = {}
+        self._written_s = 0.0  # the engine's cumulative layer-write seconds already reported
+        # P: transfer id -> request id of offered transfers; ended ones stop being fed.
+        self._send_req: dict[str, str] = {}
+        self._send_ended: dict[str, TransferResult] = {}  # by request id, until the scheduler finished it
+        self._send_finished: dict[str, bool] = {}  # scheduler finished: request id -> report to vLLM
+        self._released: set[str] = set()
+        # D: transfer id -> request id of loads in flight, and loads that could not even start.
+        self._recv_req: dict[str, str] = {}
+        self._recv_failed_at_start: set[str] = set()
+        self._recv_aborted: set[str] = set()  # D's scheduler aborted these requests itself
+
+    # ---- start-up ----
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layout, buffers = cpu_kv_layout(kv_caches, self._num_blocks)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._engine = TransferEngine(
+            self._config.transfer_config(self._engine_id, listen=self._producer),
+            layout,
+            buffers,
+            create_transport(self._config.transport_config()),
+        )
+        logger.info(
+            "PDConnector worker: %s%s, side channel %s, layout %s",
+            "producer " if self._producer else "",
+            "consumer" if self._consumer else "",
+            self._engine.address,
+            layout,
+        )
+
+    @property
+    def side_channel_addr(self) -> str | None:
+        return None if self._engine is None else self._engine.address
+
+    @property
+    def _eng(self) -> TransferEngine:
+        if self._engine is None:
+            raise RuntimeError("PDConnector: KV caches were never registered")
+        return self._engine
+
+    # ---- P ----
+
+    def _live(self, spec: SendSpec) -> bool:
+        return spec.req_id not in self._send_ended and spec.req_id not in self._send_finished
+
+    def bind(self, meta: PDConnectorMetadata) -> None:
+        """Before the forward: offer this step's block tables; apply requests P's scheduler finished."""
+        if not self._producer:
+            return
+        for spec in meta.sends:
+            if self._live(spec):
+                self._send_req[spec.transfer_id] = spec.req_id
+                self._eng.offer(spec.transfer_id, spec.block_ids)
+        for finished in meta.finished_sends:
+            self._send_finished[finished.req_id] = finished.report
+            offered = next((t for t, r in self._send_req.items() if r == finished.req_id), None)
+            if offered is None:
+                # Never offered (no step ran for it): nothing to wait for.
+                self._send_ended.setdefault(finished.req_id, _never_offered(finished.req_id))
+            elif not finished.ok and finished.req_id not in self._send_ended:
+                self._eng.abort(offered, "request aborted on the prefill side")
+
+    def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if not self._producer or not meta.sends:
+            return
+        layer = self._layer_index[layer_name]
+        for spec in meta.sends:
+            if not self._live(spec):
+                continue
+            first = spec.start_token // self._block_size
+            end = -(-spec.end_token // self._block_size)
+            if spec.corrupt:
+                kv_layer[spec.block_ids[first:end]] = 0
+            self._eng.push_layer(spec.transfer_id, layer, first, end)
+
+    def wait_for_save(self, meta: PDConnectorMetadata) -> None:
+        """End of the step: the transfers whose prompt this step completed get no more pushes."""
+        if not self._producer:
+            return
+        for spec in meta.sends:
+            if spec.completes_prompt and self._live(spec):
+                self._eng.finish(spec.transfer_id)
+
+    # ---- D ----
+
+    def start_load_kv(self, meta: PDConnectorMetadata) -> None:
+        if (meta.recvs or meta.aborted_recvs) and not self._consumer:
+            raise RuntimeError("PDConnector: loads scheduled on a worker without the consumer role")
+        for spec in meta.recvs:
+            try:
+                self._eng.expect(
+                    spec.transfer_id,
+                    spec.prefill_addr,
+                    spec.block_ids,
+                    spec.num_tokens,
+                    start_token=spec.start_block * self._block_size,
+                )
+            except ValueError as exc:
+                logger.warning("PDConnector: cannot load %s: %s", spec.transfer_id, exc)
+                self._stats.failure()
+                self._recv_failed_at_start.add(spec.req_id)
+                continue
+            self._recv_req[spec.transfer_id] = spec.req_id
+        for req_id in meta.aborted_recvs:
+            tid = next((t for t, r in self._recv_req.items() if r == req_id), None)
+            if tid is not None:
+                self._recv_aborted.add(req_id)
+                self._eng.abort(tid, "request aborted on the decode side")
+
+    # ---- both ----
+
+    def transfer_results(
+        self, meta: PDConnectorMetadata | None = None
+    ) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call.
+
+        vLLM keeps stepping while transfers are pending, even with nothing to compute (D waiting for KV, P
+        holding blocks for D's ack): a busy loop of EngineCore and worker that would take CPU from the
+        prefill on the other core. On such idle steps the worker pauses ``IDLE_STEP_PAUSE_S`` first.
+        """
+        if meta is not None and meta.idle_step and (self._recv_req or self._send_req):
+            time.sleep(IDLE_STEP_PAUSE_S)
+        recving: set[str] = set(self._recv_failed_at_start)
+        failed: set[str] = set(self._recv_failed_at_start)
+        self._recv_failed_at_start.clear()
+        if self._engine is not None:
+            for result in self._engine.poll():
+                self._record(result)
+                if result.role == "send":
+                    req_id = self._send_req.pop(result.transfer_id, None)
+                    if req_id is not None:
+                        self._send_ended[req_id] = result
+                else:
+                    req_id = self._recv_req.pop(result.transfer_id, None)
+                    if req_id is None:
+                        continue
+                    recving.add(req_id)
+                    aborted_here = req_id in self._recv_aborted
+                    self._recv_aborted.discard(req_id)
+                    # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
+                    # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
+                    if result.state is not TransferState.DONE and not aborted_here:
+                        logger.warning(
+                            "PDConnector: load of %s %s: %s",
+                            result.transfer_id,
+                            result.state.value,
+                            result.reason,
+                        )
+                        failed.add(req_id)
+        sending: set[str] = set()
+        for req_id in [r for r in self._send_finished if r in self._send_ended]:
+            del self._send_ended[req_id]
+            if self._send_finished.pop(req_id):
+                sending.add(req_id)
+        return sending, recving, failed
+
+    def _record(self, result: TransferResult) -> None:
+        if result.state is TransferState.DONE:
+            if result.role == "send":
+                self._stats.sent(result.bytes, result.duration_s, result.exposed_s)
+            else:
+                self._stats.received(result.bytes, result.duration_s)
+        elif result.state is TransferState.FAILED:
+            self._stats.failure()
+        if result.lease_expired:
+            self._stats.expired_lease()
+
+    def stats(self) -> PDConnectorStats | None:
+        if self._engine is not None:
+            written = self._engine.counters().layer_seconds
+            if written > self._written_s:
+                self._stats.write_time(written - self._written_s)
+                self._written_s = written
+        return self._stats.drain()
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
+
+def _never_offered(req_id: str) -> TransferResult:
+    return TransferResult(
+        transfer_id="", role="send", state=TransferState.ABORTED, reason=f"{req_id} not offered"
+    )

@@ -1,0 +1,211 @@
+"""The worker side of PDConnector driving two real transfer engines (P and D) over the TCP transport.
+
+The forward pass is played by the test: it writes KV into P's tensors and calls the hooks in vLLM's order
+(bind -> save_kv_layer per layer -> wait_for_save; start_load_kv; get_transfer_results each step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from pd_connector.vllm.config import PDConnectorConfig
+from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
+from pd_connector.vllm.worker_side import WorkerSide, cpu_kv_layout
+
+pytestmark = pytest.mark.unit
+
+BS = 32
+LAYERS = 3
+NUM_BLOCKS = 16
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def kv(fill: bool) -> dict[str, torch.Tensor]:
+    """vLLM's CPU layout: [num_blocks, kv_heads, block_size, head_k + head_v]."""
+    gen = torch.Generator().manual_seed(1)
+    shape = (NUM_BLOCKS, 2, BS, 128)
+    return {n: torch.randn(shape, generator=gen) if fill else torch.zeros(shape) for n in NAMES}
+
+
+class Pair:
+    def __init__(self, p_config: PDConnectorConfig, d_config: PDConnectorConfig) -> None:
+        self.p_kv, self.d_kv = kv(True), kv(False)
+        self.p = WorkerSide(p_config, "p", BS, NUM_BLOCKS, producer=True, consumer=False)
+        self.d = WorkerSide(d_config, "d", BS, NUM_BLOCKS, producer=False, consumer=True)
+        self.p.register_kv_caches(self.p_kv)
+        self.d.register_kv_caches(self.d_kv)
+        assert self.p.side_channel_addr is not None
+        self.addr = self.p.side_channel_addr
+        self.sent: set[str] = set()
+        self.recv: set[str] = set()
+        self.failed: set[str] = set()
+
+    def p_step(self, sends: list[SendSpec], finished: list[FinishedSend] | None = None) -> None:
+        meta = PDConnectorMetadata(sends=sends, finished_sends=finished or [])
+        self.p.bind(meta)
+        for name in NAMES:
+            self.p.save_kv_layer(meta, name, self.p_kv[name])
+        self.p.wait_for_save(meta)
+
+    def d_step(self, recvs: list[RecvSpec] | None = None, aborted: list[str] | None = None) -> None:
+        self.d.start_load_kv(PDConnectorMetadata(recvs=recvs or [], aborted_recvs=aborted or []))
+
+    def poll(self) -> None:
+        sending, _, _ = self.p.transfer_results()
+        _, recving, failed = self.d.transfer_results()
+        self.sent |= sending
+        self.recv |= recving
+        self.failed |= failed
+
+    def wait(self, predicate: Callable[[], bool], timeout_s: float = 15.0) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            self.poll()
+            if predicate():
+                return time.monotonic() - start
+            time.sleep(0.01)
+        raise AssertionError("condition not reached")
+
+    def close(self) -> None:
+        self.p.shutdown()
+        self.d.shutdown()
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    pairs: list[Pair] = []
+
+    def make(p: PDConnectorConfig | None = None, d: PDConnectorConfig | None = None) -> Pair:
+        pair = Pair(p or PDConnectorConfig(lease_s=5), d or PDConnectorConfig(load_timeout_s=5))
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for pair in pairs:
+        pair.close()
+
+
+def equal(pair: Pair, p_blocks: list[int], d_blocks: list[int]) -> bool:
+    return all(torch.equal(pair.p_kv[n][p_blocks], pair.d_kv[n][d_blocks]) for n in NAMES)
+
+
+def test_chunked_prefill_lands_block_for_block(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    p_blocks, d_blocks = [4, 5, 6, 9], [11, 2, 3, 7]
+    pair.d_step([RecvSpec("d1", "T", pair.addr, d_blocks, start_block=0, num_tokens=100)])
+    for start, end in ((0, 40), (40, 80), (80, 100)):  # chunks end in the middle of blocks
+        pair.p_step([SendSpec("p1", "T", p_blocks[: -(-end // BS)], start, end, 100)])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == set() and equal(pair, p_blocks, d_blocks)
+    assert pair.sent == set(), "P reports only once its scheduler finished the request"
+    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
+    pair.wait(lambda: pair.sent == {"p1"})
+    stats = pair.p.stats()
+    assert stats is not None and stats.data["transfers_sent"] == 1 and stats.data["bytes_sent"] > 0
+
+
+def test_standard_flow_decode_arrives_after_prefill(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.p_step([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)], [])
+    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [8, 9, 10], start_block=0, num_tokens=70)])
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
+    assert pair.failed == set() and equal(pair, [1, 2, 3], [8, 9, 10])
+
+
+def test_local_prefix_hit_loads_only_the_tail(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [0, 1, 12], start_block=2, num_tokens=90)])
+    pair.p_step([SendSpec("p1", "T", [3, 4, 5], 0, 90, 90)])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert equal(pair, [5], [12])
+    assert not any(pair.d_kv[n][[0, 1]].any() for n in NAMES), "blocks D had are not overwritten"
+
+
+def test_lease_expiry_frees_prefill_blocks(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(p=PDConnectorConfig(lease_s=0.5))
+    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)], [FinishedSend("p1", ok=True, report=True)])
+    took = pair.wait(lambda: pair.sent == {"p1"})
+    assert took > 0.3
+    stats = pair.p.stats()
+    assert stats is not None and stats.data["expired_leases"] == 1
+
+
+def test_prefill_abort_fails_the_load_and_frees_p(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [2, 3], start_block=0, num_tokens=64)])
+    pair.p_step([SendSpec("p1", "T", [1, 4], 0, 32, 64)])  # first chunk only
+    pair.p_step([], [FinishedSend("p1", ok=False, report=True)])
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
+    assert pair.failed == {"d1"}
+
+
+def test_decode_abort_frees_both_sides(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [2, 3], start_block=0, num_tokens=64)])
+    pair.p_step([SendSpec("p1", "T", [1, 4], 0, 32, 64)])
+    time.sleep(0.2)
+    pair.d_step(aborted=["d1"])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == set(), "an aborted load is finished, not failed"
+    # P's transfer ended (D aborted); later chunks are not fed to it, and the finish releases the blocks.
+    pair.p_step([SendSpec("p1", "T", [1, 4], 32, 64, 64)])
+    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
+    pair.wait(lambda: pair.sent == {"p1"})
+
+
+def test_decode_times_out_when_prefill_never_delivers(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(d=PDConnectorConfig(load_timeout_s=0.5, abort_grace_s=0.5))
+    start = time.monotonic()
+    pair.d_step([RecvSpec("d1", "never-offered", pair.addr, [2], start_block=0, num_tokens=10)])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == {"d1"} and time.monotonic() - start < 5
+
+
+def test_unreachable_prefill_fails_fast(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", "127.0.0.1:1", [2], start_block=0, num_tokens=10)])
+    assert pair.wait(lambda: "d1" in pair.recv, timeout_s=5) < 5
+    assert pair.failed == {"d1"}
+
+
+def test_wrong_secret_is_refused(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair(p=PDConnectorConfig(secret="a"), d=PDConnectorConfig(secret="b", load_timeout_s=2))
+    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)])
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [2], start_block=0, num_tokens=10)])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == {"d1"} and not any(pair.d_kv[n].any() for n in NAMES)
+
+
+def test_corrupt_flag_zeroes_what_d_receives(make_pair: Callable[..., Pair]) -> None:
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [2], start_block=0, num_tokens=10)])
+    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10, corrupt=True)])
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == set() and not any(pair.d_kv[n][2].any() for n in NAMES)
+
+
+def test_layout_check_and_config_validation() -> None:
+    with pytest.raises(ValueError, match="CPU layout"):
+        cpu_kv_layout({"l": torch.zeros(2, NUM_BLOCKS, BS, 128)}, NUM_BLOCKS)
+    layout, buffers = cpu_kv_layout(kv(False), NUM_BLOCKS)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_tokens) == (
+        LAYERS,
+        2,
+        64,
+        BS,
+    )
+    assert len(buffers) == LAYERS
+    assert PDConnectorConfig.from_extra_config({"lease_s": 3, "side_channel_port": 7000}).lease_s == 3.0
+    with pytest.raises(ValueError, match="unknown"):
+        PDConnectorConfig.from_extra_config({"lease": 3})
+    with pytest.raises(ValueError, match="float"):
+        PDConnectorConfig.from_extra_config({"lease_s": "3"})
+    with pytest.raises(ValueError, match="positive"):
+        PDConnectorConfig.from_extra_config({"load_timeout_s": 0})
+    with pytest.raises(ValueError, match="transport"):
+        PDConnectorConfig.from_extra_config({"transport": "carrier-pigeon"})
