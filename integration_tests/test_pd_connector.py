@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_disagg import pd_client
-from pd_disagg.engines import base_url, vllm_server
+from pd_disagg.engines import base_url, router_server, vllm_server
 from pd_disagg.servers import ManagedServer, free_port
 
 MAX_MODEL_LEN = 1024
@@ -94,7 +94,7 @@ class Cluster:
 
     def __init__(self, start: Callable[..., list[ManagedServer]], model: Path, log_dir: Path) -> None:
         self._start = start
-        self._model = model
+        self.model = model
         self._log_dir = log_dir
         self.side_channel_port = free_port()
         self.prefill: ManagedServer | None = None
@@ -118,7 +118,7 @@ class Cluster:
 
     def _prefill_server(self) -> ManagedServer:
         return vllm_server(
-            self._model,
+            self.model,
             log_dir=self._log_dir,
             name="pd-prefill",
             dtype="float32",
@@ -145,7 +145,7 @@ class Cluster:
 
     def _decode_server(self, prefix_caching: bool) -> ManagedServer:
         return vllm_server(
-            self._model,
+            self.model,
             log_dir=self._log_dir,
             name="pd-decode" if prefix_caching else "pd-decode-nocache",
             dtype="float32",
@@ -234,6 +234,69 @@ def test_vllm_standard_flow(honest: Cluster) -> None:
         prompt = tokens(n, seed=1000 + n)
         answer = pd_client.vllm_standard(honest.p_url, honest.d_url, body(prompt))
         assert token_ids(answer) == honest.reference(prompt)
+
+
+ROUTER_THRESHOLD = 64  # prompts of at least this many tokens take the P->D path through pd-router
+
+
+@pytest.fixture(scope="module")
+def router(start_servers, cluster: Cluster, tmp_path_factory, log_dir: Path) -> str:
+    """pd-router (a real process) in front of the module's P and D, in our push flow (CONTRACT.md)."""
+    cluster.ensure(prefix_caching=True)
+    config = tmp_path_factory.mktemp("pd-router") / "router.toml"
+    config.write_text(
+        "\n".join(
+            [
+                'flow = "pd-push"',
+                "[model]",
+                f"path = {json.dumps(str(cluster.model))}",
+                'served_names = ["tiny"]',
+                f"max_model_len = {MAX_MODEL_LEN}",
+                "[policy]",
+                f"threshold_tokens = {ROUTER_THRESHOLD}",
+                "[health]",
+                "interval_s = 0.5",
+                "[[prefill]]",
+                f"url = {json.dumps(cluster.p_url)}",
+                f"bootstrap = {json.dumps(cluster.bootstrap)}",
+                "[[decode]]",
+                f"url = {json.dumps(cluster.d_url)}",
+            ]
+        )
+        + "\n"
+    )
+    (server,) = start_servers(router_server(config, log_dir=log_dir, port=free_port(), name="pd-router"))
+    return base_url(server)
+
+
+def _through_router(router: str, payload: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """POST a completion to pd-router; returns (the path it took, the JSON answer)."""
+    host, port = router.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(payload), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert resp.status == 200, answer
+        return resp.getheader("X-PD-Route") or "", answer
+    finally:
+        conn.close()
+
+
+def test_router_sends_long_prompts_p_to_d_and_short_ones_to_d(honest: Cluster, router: str) -> None:
+    """Through pd-router: long prompts are disaggregated (KV pushed by P's connector), short ones prefill on
+    D; both give the colocated greedy tokens."""
+    hits_before = metric(honest.d_url, "vllm:external_prefix_cache_hits_total")
+    for n, path in ((ROUTER_THRESHOLD + 150, "disagg"), (ROUTER_THRESHOLD // 2, "local")):
+        prompt = tokens(n, seed=5000 + n)
+        route, answer = _through_router(router, body(prompt))
+        assert route == path, f"{n} tokens went {route!r}"
+        assert token_ids(answer) == honest.reference(prompt), f"{n} tokens via {route}"
+    wait_until(
+        lambda: metric(honest.d_url, "vllm:external_prefix_cache_hits_total") - hits_before >= 128,
+        15,
+        "D's external (transferred) prompt tokens in /metrics",
+    )
 
 
 def test_sixteen_concurrent_requests(honest: Cluster) -> None:
