@@ -1,7 +1,9 @@
-"""``make demo``: bring up real engine servers on the tiny model, stream a chat completion, print TTFT/ITL.
+"""``make demo``: a disaggregated cluster on the tiny model, end to end, with real servers.
 
-With ``--router-config cluster.toml`` the demo starts the config's decode workers and pd-router, then streams a
-short and a long prompt through the router and prints which path each took (``X-PD-Route``).
+Starts one prefill (P) and one decode (D) vLLM CPU server with PDConnector (P pinned to core 0, D to core 1)
+and pd-router in front of them, then streams a short prompt (router sends it to D only, which prefills
+locally) and a long one (P prefills and pushes the KV layer by layer to D, which decodes), printing the answer,
+the path each took (``X-PD-Route``), TTFT and inter-token latency.
 
 Runs in one foreground process that owns every server it starts: on normal exit, on an error, on Ctrl-C
 (SIGINT) or SIGTERM, all server process groups are stopped before it returns, so nothing is left behind.
@@ -19,17 +21,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from urllib.parse import urlsplit
 
 import aiohttp
 from rich.console import Console
 
 from pd_disagg.engines import base_url, router_server, vllm_server
-from pd_disagg.servers import ManagedServer
-from router.config import load_config
+from pd_disagg.servers import ManagedServer, free_port
 from router.tokenize import PromptTokenizer
 
 console = Console(highlight=False)
+THRESHOLD_TOKENS = 128  # the router's length threshold in this demo: longer prompts go P->D
+MAX_MODEL_LEN = 1024
 
 
 @dataclass
@@ -95,23 +97,61 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _router_servers(config: Path, model: Path, log_dir: Path) -> tuple[list[ManagedServer], str]:
-    """A vLLM server at each decode worker's port of ``config``, then pd-router itself.
-
-    Prefill workers are not started here: they need the PDConnector (wired by the lead when it lands); until
-    then the router sees no healthy P and long prompts take the local path with reason ``no_prefill``.
-    """
-    cfg = load_config(config)
-    servers = [
-        vllm_server(model, log_dir=log_dir, name=f"vllm-decode{i}", port=urlsplit(w.url).port, cpu_core=i % 2)
-        for i, w in enumerate(cfg.decode)
-    ]
-    servers.append(router_server(config, log_dir=log_dir, port=cfg.server.port))
-    return servers, f"http://127.0.0.1:{cfg.server.port}"
+def _cluster(model: Path, log_dir: Path) -> tuple[list[ManagedServer], ManagedServer]:
+    """P and D engine servers with PDConnector, and pd-router configured for them (none started yet)."""
+    side_channel_port = free_port()
+    prefill = vllm_server(
+        model,
+        name="demo-prefill",
+        cpu_core=0,
+        kv_transfer_config={
+            "kv_connector": "PDConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "side_channel_host": "127.0.0.1",
+                "side_channel_port": side_channel_port,
+            },
+        },
+        log_dir=log_dir,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    decode = vllm_server(
+        model,
+        name="demo-decode",
+        cpu_core=1,
+        kv_transfer_config={
+            "kv_connector": "PDConnector",
+            "kv_role": "kv_consumer",
+            "kv_load_failure_policy": "recompute",
+        },
+        log_dir=log_dir,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    config = log_dir / "router.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        "\n".join(
+            [
+                'flow = "pd-push"',
+                "[model]",
+                f"path = {json.dumps(str(model))}",
+                f"max_model_len = {MAX_MODEL_LEN}",
+                "[policy]",
+                f"threshold_tokens = {THRESHOLD_TOKENS}",
+                "[[prefill]]",
+                f"url = {json.dumps(base_url(prefill))}",
+                f'bootstrap = "127.0.0.1:{side_channel_port}"',
+                "[[decode]]",
+                f"url = {json.dumps(base_url(decode))}",
+            ]
+        )
+        + "\n"
+    )
+    return [prefill, decode], router_server(config, log_dir=log_dir, port=free_port())
 
 
 def _long_prompt(model: Path, min_tokens: int) -> str:
-    """A prompt of at least ``min_tokens`` tokens (so the router's threshold sends it P->D)."""
+    """A chat prompt of at least ``min_tokens`` tokens (so the router's threshold sends it P->D)."""
     tokenizer = PromptTokenizer(model)
     lines = ["Summarise what this code does:"]
     line = "    total = total + values[index] * weights[index]"
@@ -123,67 +163,48 @@ def _long_prompt(model: Path, min_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def run_router_demo(config: Path, model: Path, log_dir: Path, max_tokens: int) -> int:
-    """Start the workers and pd-router from ``config``; stream a short and a long prompt through it."""
-    servers, url = _router_servers(config, model, log_dir)
+def run(model: Path, log_dir: Path, max_tokens: int) -> int:
+    engines, router = _cluster(model, log_dir)
+    servers = [*engines, router]
     try:
-        with console.status("starting vLLM (CPU) decode server(s) and pd-router ..."):
-            for server in servers[:-1]:
+        with console.status(
+            "starting prefill and decode vLLM (CPU) servers with PDConnector, then pd-router ..."
+        ):
+            for server in engines:
                 server.start()
-            for server in servers[:-1]:
+            for server in engines:
                 server.wait_healthy(timeout_s=420)
-            servers[-1].start()
-            servers[-1].wait_healthy(timeout_s=60)
-        console.print(f"pd-router ready at {url}; logs in {log_dir}/")
-        threshold = load_config(config).policy.threshold_tokens
+            router.start()
+            router.wait_healthy(timeout_s=60)
+        url = base_url(router)
+        console.print(
+            f"pd-router ready at {url} (P {base_url(engines[0])}, D {base_url(engines[1])}); logs in {log_dir}/"
+        )
         for label, prompt in (
             ("short prompt", "Write a Python function that adds two numbers."),
-            ("long prompt", _long_prompt(model, threshold + 16)),
+            ("long prompt", _long_prompt(model, THRESHOLD_TOKENS + 64)),
         ):
-            console.print(f"[bold]user[/] ({label}, {len(prompt)} chars) ...\n[bold]assistant[/]: ", end="")
-            result = asyncio.run(stream_chat(url, str(model), prompt, max_tokens))
-            report(label, result)
+            console.print(f"[bold]user[/] ({label}, {len(prompt)} chars)\n[bold]assistant[/]: ", end="")
+            report(label, asyncio.run(stream_chat(url, str(model), prompt, max_tokens)))
         return 0
+    except KeyboardInterrupt:
+        console.print("\ninterrupted: stopping servers")
+        return 130
     finally:
         for server in reversed(servers):
             server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="pd-disagg demo on the tiny local model")
+    parser = argparse.ArgumentParser(
+        description="pd-disagg demo: 1 prefill + 1 decode vLLM server behind pd-router"
+    )
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--log-dir", type=Path, default=Path("logs/demo"))
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--router-config", type=Path, help="run pd-router with this config (see examples/)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    if args.router_config is not None:
-        try:
-            return run_router_demo(args.router_config, args.model, args.log_dir, args.max_tokens)
-        except KeyboardInterrupt:
-            console.print("\ninterrupted: stopping servers")
-            return 130
-
-    servers: list[ManagedServer] = [vllm_server(args.model, log_dir=args.log_dir, name="vllm", cpu_core=0)]
-    try:
-        with console.status("starting vLLM (CPU) server ..."):
-            for server in servers:
-                server.start()
-            for server in servers:
-                server.wait_healthy(timeout_s=420)
-        url = base_url(servers[0])
-        console.print(f"server ready at {url}; logs in {args.log_dir}/")
-        prompt = "Write a Python function that adds two numbers."
-        console.print(f"[bold]user[/]: {prompt}\n[bold]assistant[/]: ", end="")
-        result = asyncio.run(stream_chat(url, str(args.model), prompt, args.max_tokens))
-        report("colocated vLLM", result)
-        return 0
-    except KeyboardInterrupt:
-        console.print("\ninterrupted: stopping servers")
-        return 130
-    finally:
-        for server in servers:
-            server.stop()
+    return run(args.model.resolve(), args.log_dir, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def vllm_server(
     name: str = "vllm",
     port: int | None = None,
     cpu_core: int | str | None = None,
-    kv_cache_gib: float = 1.0,
+    kv_cache_gib: int = 1,
     max_model_len: int = 1024,
     dtype: str = "bfloat16",
     kv_transfer_config: Mapping[str, Any] | None = None,
@@ -67,7 +67,7 @@ def vllm_server(
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     server_env = {
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # whole GiB: vLLM parses an int
         "VLLM_LOGGING_LEVEL": "INFO",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
