@@ -267,8 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         servers = _servers(args.tokenizer, Path(tmp), args.token_delay_ms)
         try:
+            # The upstream first: sglang-router gives up on a worker it cannot reach at start-up.
+            servers["upstream"].start()
+            servers["upstream"].wait_healthy(120)
             for s in servers.values():
-                s.start()
+                if s is not servers["upstream"]:
+                    s.start()
             for s in servers.values():
                 s.wait_healthy(120)
             log("upstream, pd-router and sglang-router are up")
