@@ -123,7 +123,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         resp = ApiError(500, "internal router error").response()
-    state.metrics.responses.labels(endpoint, str(resp.status)).inc()
+    state.metrics.responses_for(endpoint, str(resp.status)).inc()
     return resp
 
 

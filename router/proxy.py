@@ -84,17 +84,17 @@ class Proxy:
 
     async def handle(self, request: web.Request, parsed: Parsed, path: str) -> web.StreamResponse:
         if self.pending >= self.cfg.server.max_pending:
-            self.metrics.requests.labels(path, "rejected", "overload").inc()
+            self.metrics.requests_for(path, "rejected", "overload").inc()
             raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)
         self.pending += 1
         start = time.monotonic()
         committed: list[web.StreamResponse] = []  # the client stream, once its headers went out
         try:
             decision = await self._decide(parsed, path)
-            self.metrics.requests.labels(path, decision.route.value, decision.reason).inc()
+            self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
             async with asyncio.timeout(self.cfg.timeouts.request_s):
                 resp = await self._attempts(request, parsed, path, decision.route, start, committed)
-            self.metrics.e2e.labels(decision.route.value).observe(time.monotonic() - start)
+            self.metrics.e2e_for(decision.route.value).observe(time.monotonic() - start)
             return resp
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client disconnects
             self.metrics.client_disconnects.inc()
@@ -121,7 +121,7 @@ class Proxy:
                 if decision.route is not Route.WAIT:
                     return decision
                 if decision.reason == "no_decode":
-                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    self.metrics.requests_for(path, "rejected", decision.reason).inc()
                     raise ApiError(
                         503,
                         "no healthy decode worker is available",
@@ -129,7 +129,7 @@ class Proxy:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    self.metrics.requests_for(path, "rejected", decision.reason).inc()
                     raise overloaded("every decode worker is at capacity", self.cfg.server.retry_after_s)
                 # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).
                 with contextlib.suppress(TimeoutError):
@@ -308,7 +308,7 @@ class Proxy:
                     except (ConnectionError, aiohttp.ClientConnectionResetError):
                         raise _ClientGone from None
                     committed.append(client)
-                    self.metrics.ttft.labels(route).observe(time.monotonic() - start)
+                    self.metrics.ttft_for(route).observe(time.monotonic() - start)
                     err = await self._relay(client, resp, decode, first, state, None, route, strip)
                 finally:
                     resp.close()
@@ -360,7 +360,7 @@ class Proxy:
         the upstream is ahead of the client), byte for byte; a partial event waits for its end. After
         ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
         """
-        itl = self.metrics.itl.labels(route)
+        itl = self.metrics.itl_for(route)
         last = time.monotonic()
         idle = self.cfg.timeouts.idle_s
         loop = asyncio.get_running_loop()
