@@ -11,6 +11,7 @@ both).
 
 from __future__ import annotations
 
+import functools
 import random
 import uuid
 from typing import Any
@@ -44,14 +45,16 @@ class UpstreamError(Exception):
         return not self.client_error and self.status != 429
 
 
-def _head(worker: Worker, path: str, length: int) -> bytes:
-    """Request line and headers of a JSON POST to ``worker`` (its API key, if any, goes only to it)."""
-    host, port, _ = Pool.key(worker.url)
-    auth = f"Authorization: Bearer {worker.cfg.api_key}\r\n" if worker.cfg.api_key else ""
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {length}\r\n{auth}\r\n"
-    ).encode("latin-1")
+@functools.lru_cache(maxsize=1024)
+def _target(url: str, path: str, api_key: str | None) -> tuple[tuple[str, int, bool], bytes]:
+    """Pool key and request head up to Content-Length of a JSON POST (cached: the same few per worker).
+
+    The worker's API key, if any, goes only to that worker.
+    """
+    key = Pool.key(url)
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = f"POST {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\nContent-Type: application/json\r\n{auth}"
+    return key, head.encode("latin-1")
 
 
 def _wrap(e: HttpError, worker: Worker) -> UpstreamError:
@@ -63,8 +66,9 @@ def _wrap(e: HttpError, worker: Worker) -> UpstreamError:
 
 
 async def _send(pool: Pool, worker: Worker, path: str, body: bytes) -> Response:
+    key, head = _target(worker.url, path, worker.cfg.api_key)
     try:
-        return await pool.request(Pool.key(worker.url), _head(worker, path, len(body)), body)
+        return await pool.request(key, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
     except HttpError as e:
         raise _wrap(e, worker) from None
 

@@ -15,7 +15,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from router import http1
+from router.balancer import Worker
+from router.config import CircuitConfig, Secret, WorkerConfig
+from router.health import CircuitBreaker
 from router.http1 import HttpError, Pool
+from router.upstream import UpstreamError, post_json
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +32,7 @@ class RawServer:
 
     script: Script
     connections: int = 0
+    heads: list[bytes] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -40,6 +45,7 @@ class RawServer:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except asyncio.IncompleteReadError:
                     break
+                self.heads.append(head)
                 length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 self.bodies.append(await reader.readexactly(length))
                 await self.script(reader, writer, n)
@@ -300,4 +306,51 @@ async def test_idle_connections_expire(serve, monkeypatch: pytest.MonkeyPatch) -
         await (await _post(pool, key)).read()
         assert raw.connections == 2
     finally:
+        pool.close()
+
+
+async def test_upstream_post_sends_the_worker_key_only_to_its_worker(serve) -> None:
+    """``upstream.post_json`` on this client: head, body and Authorization per worker; statuses as errors."""
+    raw, (host, port, _) = await serve(_length_answer)
+    pool = Pool(1.0)
+
+    def worker(key: str) -> Worker:
+        cfg = WorkerConfig(url=f"http://{host}:{port}", api_key=Secret(key))
+        return Worker(cfg, "decode", CircuitBreaker(CircuitConfig()))
+
+    try:
+        assert await post_json(pool, worker("sk-worker"), "/v1/completions", b'{"a":1}') == b'{"n":0}'
+        assert await post_json(pool, worker(""), "/v1/completions", b'{"a":2}') == b'{"n":1}'
+        first, second = raw.heads
+        assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert b"\r\nAuthorization: Bearer sk-worker\r\n" in first
+        assert b"authorization" not in second.lower()
+        assert raw.bodies == [b'{"a":1}', b'{"a":2}']
+    finally:
+        pool.close()
+
+
+async def test_upstream_status_and_connect_errors() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy")
+        await writer.drain()
+
+    server = await asyncio.start_server(RawServer(script).handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    w = Worker(WorkerConfig(url=f"http://127.0.0.1:{port}"), "decode", CircuitBreaker(CircuitConfig()))
+    pool = Pool(1.0)
+    try:
+        with pytest.raises(UpstreamError) as info:
+            await post_json(pool, w, "/v1/completions", b"{}")
+        assert (info.value.kind, info.value.status, info.value.body) == ("status", 503, b"busy")
+        assert info.value.worker_fault and info.value.retryable
+        server.close()
+        await server.wait_closed()
+        pool.close()
+        pool = Pool(1.0)
+        with pytest.raises(UpstreamError) as info:
+            await post_json(pool, w, "/v1/completions", b"{}")
+        assert info.value.kind == "connect"
+    finally:
+        server.close()
         pool.close()
