@@ -234,6 +234,8 @@ class Response:
                 raise conn.error
             if conn.complete:
                 return conn.take()
+            if len(conn.buffer) > _HIGH_WATER:  # reading is paused: the separator would never come
+                raise HttpError("protocol", f"no {separator!r} within {_HIGH_WATER} bytes")
             start = max(0, len(conn.buffer) - len(separator) + 1)
             await conn.wait()
 

@@ -354,3 +354,24 @@ async def test_upstream_status_and_connect_errors() -> None:
     finally:
         server.close()
         pool.close()
+
+
+async def test_read_until_gives_up_on_a_separator_that_never_comes(
+    serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http1, "_HIGH_WATER", 1024)
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 100000)
+        await writer.drain()
+
+    _, key = await serve(script)
+    pool = Pool(1.0)
+    try:
+        resp = await _post(pool, key)
+        with pytest.raises(HttpError) as info:
+            await asyncio.wait_for(resp.read_until(b"\n\n"), 2)
+        assert info.value.kind == "protocol"
+        resp.close()
+    finally:
+        pool.close()
