@@ -10,7 +10,8 @@ a router pays its per-event cost (a receive and a send per event) back to back: 
 ``--token-delay-ms`` paces tokens like an engine instead (on a loaded machine, timer jitter then dominates). Added latency = router percentile - direct percentile, measured in
 the same round; rounds rotate direct/ours/sglang and the median over ``--reps`` rounds is reported. Max
 requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
-completions (the router's per-request cost, not the upstream's streaming cost). The load generator speaks
+completions (the router's per-request cost, not the upstream's streaming cost), with the CPU time each server's
+processes used per request meanwhile (from /proc: less sensitive to other load than rates). The load generator speaks
 raw HTTP/1.1 on keep-alive sockets so the client adds as little as possible.
 
 Progress goes to stderr; the LAST stdout line is the JSON result.
@@ -28,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pd_disagg.servers import ManagedServer, free_port
+from pd_disagg.servers import ManagedServer, free_port, process_group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -90,13 +91,28 @@ async def latencies(port: int, concurrency: int, per_conn: int) -> list[float]:
     return lat
 
 
-async def max_rps(port: int, seconds: float, concurrency: int = 64) -> float:
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU time of a server's process group (all its threads), from /proc."""
+    total = 0
+    for pid in process_group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def max_rps(port: int, seconds: float, pgid: int, concurrency: int = 64) -> tuple[float, float]:
+    """Requests/s in a closed loop, and the server's CPU microseconds per request meanwhile."""
     payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
     await latencies(port, 8, 5)  # warm connections and code paths
     lat: list[float] = []
-    start = time.perf_counter()
+    cpu0, start = cpu_seconds(pgid), time.perf_counter()
     await asyncio.gather(*(_conn_loop(port, payload, None, start + seconds, lat) for _ in range(concurrency)))
-    return len(lat) / (time.perf_counter() - start)
+    rps = len(lat) / (time.perf_counter() - start)
+    return rps, (cpu_seconds(pgid) - cpu0) / len(lat) * 1e6
 
 
 def pct(values: list[float], q: float) -> float:
@@ -218,10 +234,21 @@ async def measure(
             for c in CONCURRENCY
         }
     rps: dict[str, list[float]] = {name: [] for name in ports}
+    cpu: dict[str, list[float]] = {name: [] for name in ports}
+    pgids = {
+        "direct": servers["upstream"].pid,
+        "ours": servers["ours"].pid,
+        "sglang_router": servers["sglang_router"].pid,
+    }
     for rep in range(reps):
         for name in ports:
-            rps[name].append(await max_rps(ports[name], rps_seconds))
-        log(f"rep {rep} max rps: " + ", ".join(f"{n} {rps[n][-1]:.0f}" for n in ports))
+            r, c = await max_rps(ports[name], rps_seconds, pgids[name])
+            rps[name].append(r)
+            cpu[name].append(c)
+        log(
+            f"rep {rep} max rps: "
+            + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in ports)
+        )
     return {
         "added_ms": added,
         "max_rps": {
@@ -229,6 +256,8 @@ async def measure(
             "sglang_router": round(statistics.median(rps["sglang_router"])),
         },
         "direct_max_rps": round(statistics.median(rps["direct"])),
+        # CPU time the server spent per request during the max-rps runs (less sensitive to other load).
+        "cpu_us_per_request": {name: round(statistics.median(cpu[name])) for name in ports},
         "latency_ms": absolute,
         "conditions": {
             "reps": reps,
@@ -267,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         servers = _servers(args.tokenizer, Path(tmp), args.token_delay_ms)
         try:
+            # The upstream first: sglang-router gives up on a worker it cannot reach at start-up.
+            servers["upstream"].start()
+            servers["upstream"].wait_healthy(120)
             for s in servers.values():
-                s.start()
+                if s is not servers["upstream"]:
+                    s.start()
             for s in servers.values():
                 s.wait_healthy(120)
             log("upstream, pd-router and sglang-router are up")

@@ -1,7 +1,7 @@
 """The router's aiohttp application: OpenAI endpoints, health/readiness, metrics and the admin API.
 
 Built by ``make_app(cfg)`` and served by ``cli.py`` (or by aiohttp's test server in unit tests). One
-``RouterState`` per app holds the pools, the policy, the upstream session and the metrics, so several routers
+``RouterState`` per app holds the pools, the policy, the upstream connections and the metrics, so several routers
 can live in one process. Every error a client can cause is answered with an OpenAI-style 4xx body; request
 bodies and Authorization headers are never logged.
 """
@@ -24,6 +24,7 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig, WorkerConfig, secret_hook, worker_errors
 from router.errors import ApiError, bad_request
 from router.health import HealthChecker, check_once
+from router.http1 import Pool
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
@@ -49,15 +50,17 @@ class RouterState:
         self.metrics.watch_workers(self.balancer.all_workers)
         self.keys = cfg.client_keys()
         self.created = int(time.time())
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # health checks
+        self.upstream: Pool | None = None  # request legs
         self.checker: HealthChecker | None = None
         self.proxy: Proxy | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.upstream = Pool(self.cfg.timeouts.connect_s)
         self.proxy = Proxy(
-            self.cfg, self.balancer, make_policy(self.cfg.policy), self.session, self.metrics, self.rng
+            self.cfg, self.balancer, make_policy(self.cfg.policy), self.upstream, self.metrics, self.rng
         )
         self.checker = HealthChecker(self.cfg.health, self.session, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
@@ -83,6 +86,8 @@ class RouterState:
     async def close(self) -> None:
         if self.checker is not None:
             await self.checker.stop()
+        if self.upstream is not None:
+            self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
@@ -118,7 +123,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
         resp = ApiError(500, "internal router error").response()
-    state.metrics.responses.labels(endpoint, str(resp.status)).inc()
+    state.metrics.responses_for(endpoint, str(resp.status)).inc()
     return resp
 
 

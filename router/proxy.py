@@ -30,6 +30,7 @@ from aiohttp import web
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.errors import ApiError, overloaded
+from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
 from router.requests import Parsed
@@ -67,14 +68,14 @@ class Proxy:
         cfg: RouterConfig,
         balancer: Balancer,
         policy: Policy,
-        session: aiohttp.ClientSession,
+        upstream: Pool,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
         self.balancer = balancer
         self.policy = policy
-        self.session = session
+        self.upstream = upstream
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.pending = 0
@@ -83,17 +84,17 @@ class Proxy:
 
     async def handle(self, request: web.Request, parsed: Parsed, path: str) -> web.StreamResponse:
         if self.pending >= self.cfg.server.max_pending:
-            self.metrics.requests.labels(path, "rejected", "overload").inc()
+            self.metrics.requests_for(path, "rejected", "overload").inc()
             raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)
         self.pending += 1
         start = time.monotonic()
         committed: list[web.StreamResponse] = []  # the client stream, once its headers went out
         try:
             decision = await self._decide(parsed, path)
-            self.metrics.requests.labels(path, decision.route.value, decision.reason).inc()
+            self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
             async with asyncio.timeout(self.cfg.timeouts.request_s):
                 resp = await self._attempts(request, parsed, path, decision.route, start, committed)
-            self.metrics.e2e.labels(decision.route.value).observe(time.monotonic() - start)
+            self.metrics.e2e_for(decision.route.value).observe(time.monotonic() - start)
             return resp
         except asyncio.CancelledError:  # aiohttp cancels the handler when the client disconnects
             self.metrics.client_disconnects.inc()
@@ -120,7 +121,7 @@ class Proxy:
                 if decision.route is not Route.WAIT:
                     return decision
                 if decision.reason == "no_decode":
-                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    self.metrics.requests_for(path, "rejected", decision.reason).inc()
                     raise ApiError(
                         503,
                         "no healthy decode worker is available",
@@ -128,7 +129,7 @@ class Proxy:
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.metrics.requests.labels(path, "rejected", decision.reason).inc()
+                    self.metrics.requests_for(path, "rejected", decision.reason).inc()
                     raise overloaded("every decode worker is at capacity", self.cfg.server.retry_after_s)
                 # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).
                 with contextlib.suppress(TimeoutError):
@@ -198,10 +199,6 @@ class Proxy:
         else:
             self._fail(decode, e, failed)
 
-    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
-        t = self.cfg.timeouts
-        return aiohttp.ClientTimeout(total=total, connect=t.connect_s, sock_connect=t.connect_s)
-
     async def _decode_request(
         self, parsed: Parsed, path: str, prefill: Worker | None, failed: set[Worker], extra: dict[str, Any]
     ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
@@ -235,7 +232,7 @@ class Proxy:
     async def _post_prefill(self, prefill: Worker, path: str, body: bytes, tokens: int) -> bytes:
         with self.balancer.lease(prefill, tokens):
             try:
-                _, data = await post_json(self.session, prefill, path, body, self._timeout())
+                data = await post_json(self.upstream, prefill, path, body)
             except UpstreamError as e:
                 self.metrics.prefill_failures.labels(self.cfg.flow).inc()
                 if e.worker_fault:
@@ -269,9 +266,7 @@ class Proxy:
         try:
             with self.balancer.lease(decode):
                 try:
-                    _, data = await self._guarded(
-                        p_task, post_json(self.session, decode, path, body, self._timeout())
-                    )
+                    data = await self._guarded(p_task, post_json(self.upstream, decode, path, body))
                 except UpstreamError as e:
                     self._blame(e, decode, prefill, failed)
                     raise
@@ -313,7 +308,7 @@ class Proxy:
                     except (ConnectionError, aiohttp.ClientConnectionResetError):
                         raise _ClientGone from None
                     committed.append(client)
-                    self.metrics.ttft.labels(route).observe(time.monotonic() - start)
+                    self.metrics.ttft_for(route).observe(time.monotonic() - start)
                     err = await self._relay(client, resp, decode, first, state, None, route, strip)
                 finally:
                     resp.close()
@@ -329,13 +324,11 @@ class Proxy:
         finally:
             _cancel(p_task)
 
-    async def _first_event(
-        self, worker: Worker, path: str, body: bytes
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
-        resp: aiohttp.ClientResponse | None = None
+    async def _first_event(self, worker: Worker, path: str, body: bytes) -> tuple[Response, bytes]:
+        resp: Response | None = None
         try:
             async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
-                resp = await open_stream(self.session, worker, path, body, self._timeout())
+                resp = await open_stream(self.upstream, worker, path, body)
                 first = await read_event(resp, worker)
         except TimeoutError:
             if resp is not None:
@@ -353,7 +346,7 @@ class Proxy:
     async def _relay(
         self,
         client: web.StreamResponse,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         worker: Worker,
         first: bytes,
         state: StreamState | None,
@@ -364,9 +357,10 @@ class Proxy:
         """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
         All complete events already received go out in one write (one syscall instead of one per token when
-        the upstream is ahead of the client), byte for byte; a partial event waits for its end.
+        the upstream is ahead of the client), byte for byte; a partial event waits for its end. After
+        ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
         """
-        itl = self.metrics.itl.labels(route)
+        itl = self.metrics.itl_for(route)
         last = time.monotonic()
         idle = self.cfg.timeouts.idle_s
         loop = asyncio.get_running_loop()
@@ -390,6 +384,7 @@ class Proxy:
                         itl.observe(now - last)
                         last = now
                     if batch.endswith(DONE):
+                        resp.release()  # keep-alive: the connection serves the next leg
                         return None
                     # Push the idle deadline out only every quarter of it (a timer per event costs more).
                     if loop.time() - armed > idle / 4:

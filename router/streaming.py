@@ -49,8 +49,10 @@ class _Chunk(msgspec.Struct):
 
 
 # vLLM writes these fields as null unless the request asked for them: the router asks (to count tokens
-# exactly and resume token-exactly) and puts the null back when the client did not ask.
-_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[0-9,\s]*\]')
+# exactly and resume token-exactly) and puts the null back when the client did not ask. Literal
+# replacements (no group template) and a substring test before the rarer pattern keep this cheap per batch.
+_IDS = re.compile(rb'"token_ids":\[[0-9,\s]*\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[[0-9,\s]*\]')
 
 
 _TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9,\s]*)\]')
@@ -59,7 +61,10 @@ _FINISHED = b'"finish_reason":"'
 
 def strip_token_ids(batch: bytes) -> bytes:
     """The events as vLLM would have sent them without ``return_token_ids``."""
-    return _IDS.sub(rb'"\1":null', batch)
+    out = _IDS.sub(b'"token_ids":null', batch)
+    if b'"prompt_token_ids":[' in out:
+        out = _PROMPT_IDS.sub(b'"prompt_token_ids":null', out)
+    return out
 
 
 _decoder = msgspec.json.Decoder(_Chunk)
@@ -75,21 +80,38 @@ class StreamState:
         self.id = ""
         self.created = 0
         self.text: list[str] = []
-        self.tokens = 0
+        self._tokens = 0
         # Token ids of the prompt and of what was delivered, when the worker sent them (vLLM with
         # return_token_ids); then the continuation is token-exact and the count exact.
         self.prompt_ids: list[int] | None = None
-        self.ids: list[int] | None = None
+        self._ids: list[int] | None = None
+        # The id lists (``b"12,13"``) of events scanned but not converted yet: the relay only collects them
+        # (one findall per batch); they become ints when someone reads ``ids`` or ``tokens`` (a resume).
+        self._raw_ids: list[bytes] = []
         self.finished = False  # a finish_reason was sent: only usage / [DONE] can follow
+
+    def _settle(self) -> None:
+        if self._raw_ids and self._ids is not None:
+            found = [int(t) for group in self._raw_ids for t in group.split(b",") if t.strip()]
+            self._raw_ids.clear()
+            self._ids.extend(found)
+            self._tokens += len(found)
+
+    @property
+    def ids(self) -> list[int] | None:
+        self._settle()
+        return self._ids
+
+    @property
+    def tokens(self) -> int:
+        self._settle()
+        return self._tokens
 
     def observe_batch(self, batch: bytes) -> None:
         """Record the events (``data: ...\\n\\n`` each) of one write to the client."""
-        if self.ids is not None and not self.need_text:
-            # JSON escapes quotes inside strings, so these patterns only match real keys.
-            for match in _TOKEN_IDS.finditer(batch):
-                found = [int(t) for t in match.group(1).split(b",") if t.strip()]
-                self.ids.extend(found)
-                self.tokens += len(found)
+        if self._ids is not None and not self.need_text:
+            # JSON escapes quotes inside strings, so this pattern only matches real keys.
+            self._raw_ids += _TOKEN_IDS.findall(batch)
             if _FINISHED in batch:
                 self.finished = True
             return
@@ -115,12 +137,13 @@ class StreamState:
             piece = choice.text if choice.delta is None else choice.delta.content
             if choice.token_ids is not None:
                 # vLLM may merge several tokens into one event when the client side is slower
-                self.ids = [*(self.ids or ()), *choice.token_ids]
-                self.tokens += len(choice.token_ids)
+                self._settle()
+                self._ids = [*(self._ids or ()), *choice.token_ids]
+                self._tokens += len(choice.token_ids)
             elif choice.delta is not None and choice.delta.role is not None and not piece:
                 continue  # chat's opening role chunk carries no token
             else:
-                self.tokens += 1
+                self._tokens += 1
             if piece:
                 self.text.append(piece)
             if choice.finish_reason is not None:

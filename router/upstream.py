@@ -1,6 +1,6 @@
 """HTTP legs from the router to engine workers, and the request bodies each P/D flow sends.
 
-Runs in the router process on its shared ``aiohttp.ClientSession`` (keep-alive pool). A leg either returns the
+Runs in the router process on its shared keep-alive connection pool (``http1.Pool``). A leg either returns the
 upstream's answer or raises ``UpstreamError`` saying whether another worker may be tried (``retryable``) and
 whether the worker itself is to blame (``worker_fault``, which feeds its circuit breaker). An upstream 4xx is
 the client's mistake: it is passed through unchanged and never retried. Bodies follow /work/wt/CONTRACT.md:
@@ -11,19 +11,17 @@ both).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import random
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 
 from router.balancer import Worker
 from router.config import Flow
-
-_JSON = {"content-type": "application/json"}
+from router.http1 import HttpError, Pool, Response
 
 
 class UpstreamError(Exception):
@@ -47,72 +45,81 @@ class UpstreamError(Exception):
         return not self.client_error and self.status != 429
 
 
-def headers_for(worker: Worker) -> dict[str, str]:
-    if worker.cfg.api_key:
-        return {**_JSON, "authorization": f"Bearer {worker.cfg.api_key}"}
-    return _JSON
+@functools.lru_cache(maxsize=1024)
+def _target(url: str, path: str, api_key: str | None) -> tuple[tuple[str, int, bool], bytes]:
+    """Pool key and request head up to Content-Length of a JSON POST (cached: the same few per worker).
+
+    The worker's API key, if any, goes only to that worker.
+    """
+    key = Pool.key(url)
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    head = f"POST {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\nContent-Type: application/json\r\n{auth}"
+    return key, head.encode("latin-1")
 
 
-def _wrap(e: BaseException, worker: Worker) -> UpstreamError:
-    if isinstance(e, asyncio.TimeoutError):
+def _wrap(e: HttpError, worker: Worker) -> UpstreamError:
+    if e.kind == "timeout":
         return UpstreamError("timeout", f"{worker.role} worker {worker.url} timed out")
-    if isinstance(e, aiohttp.ClientConnectorError):
+    if e.kind == "connect":
         return UpstreamError("connect", f"cannot connect to {worker.role} worker {worker.url}")
-    return UpstreamError("protocol", f"{worker.role} worker {worker.url} failed: {type(e).__name__}")
+    return UpstreamError("protocol", f"{worker.role} worker {worker.url} failed: {e}")
 
 
-async def post_json(
-    session: aiohttp.ClientSession, worker: Worker, path: str, body: bytes, timeout: aiohttp.ClientTimeout
-) -> tuple[int, bytes]:
+async def _send(pool: Pool, worker: Worker, path: str, body: bytes) -> Response:
+    key, head = _target(worker.url, path, worker.cfg.api_key)
+    try:
+        return await pool.request(key, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
+    except HttpError as e:
+        raise _wrap(e, worker) from None
+
+
+async def _status_error(resp: Response, worker: Worker) -> UpstreamError:
+    """A non-200 answer as ``UpstreamError``, with its body (passed to the client for a 4xx)."""
+    try:
+        data = await resp.read()
+    except HttpError:
+        data = b""
+    finally:
+        resp.close()
+    return UpstreamError(
+        "status", f"{worker.role} worker {worker.url} answered {resp.status}", resp.status, data
+    )
+
+
+async def post_json(pool: Pool, worker: Worker, path: str, body: bytes) -> bytes:
     """A non-streamed leg: the whole response body, or ``UpstreamError``."""
-    try:
-        async with session.post(
-            worker.url + path, data=body, headers=headers_for(worker), timeout=timeout
-        ) as r:
-            data = await r.read()
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        raise _wrap(e, worker) from None
-    if r.status != 200:
-        raise UpstreamError(
-            "status", f"{worker.role} worker {worker.url} answered {r.status}", r.status, data
-        )
-    return r.status, data
-
-
-async def open_stream(
-    session: aiohttp.ClientSession, worker: Worker, path: str, body: bytes, timeout: aiohttp.ClientTimeout
-) -> aiohttp.ClientResponse:
-    """Start a streamed leg; returns the response once its headers said 200 (caller must ``release()``)."""
-    try:
-        resp = await session.post(worker.url + path, data=body, headers=headers_for(worker), timeout=timeout)
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
-        raise _wrap(e, worker) from None
+    resp = await _send(pool, worker, path, body)
     if resp.status != 200:
-        try:
-            data = await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            data = b""
-        finally:
-            resp.release()
-        raise UpstreamError(
-            "status", f"{worker.role} worker {worker.url} answered {resp.status}", resp.status, data
-        )
+        raise await _status_error(resp, worker)
+    try:
+        return await resp.read()
+    except HttpError as e:
+        raise _wrap(e, worker) from None
+    finally:
+        resp.close()
+
+
+async def open_stream(pool: Pool, worker: Worker, path: str, body: bytes) -> Response:
+    """Start a streamed leg; returns the response once its headers said 200 (caller must ``close()``)."""
+    resp = await _send(pool, worker, path, body)
+    if resp.status != 200:
+        raise await _status_error(resp, worker)
     return resp
 
 
-async def read_event(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
-    """The next SSE event (``data: ...\\n\\n``, separator included), or b"" at a clean end of stream."""
+async def read_event(resp: Response, worker: Worker) -> bytes:
+    """The next SSE event (``data: ...\\n\\n``, separator included), or what is left at the end of the stream."""
     try:
-        return await resp.content.readuntil(b"\n\n")
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
+        return await resp.read_until(b"\n\n")
+    except HttpError as e:
         raise _wrap(e, worker) from None
 
 
-async def read_some(resp: aiohttp.ClientResponse, worker: Worker) -> bytes:
+async def read_some(resp: Response, worker: Worker) -> bytes:
     """Whatever bytes of the stream have arrived (waits for at least one), or b"" at its end."""
     try:
-        return await resp.content.readany()
-    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return await resp.read_some()
+    except HttpError as e:
         raise _wrap(e, worker) from None
 
 
