@@ -13,7 +13,9 @@ it to be alive, leak-free in its log, and still serving.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ from integration_tests.sglang_client import (
     post,
     stream_then_disconnect,
 )
-from pd_disagg.engines import base_url, sglang_router, sglang_server
+from pd_disagg.engines import base_url, router_server, sglang_router, sglang_server
 from pd_disagg.servers import ManagedServer, free_port, running
 
 PROMPTS = [
@@ -218,6 +220,55 @@ def test_client_abort_frees_memory(pd_pair, reference):
     assert_drained(prefill)
     _, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), PROMPTS[0], MAX_NEW_TOKENS)
     assert d.output_ids == reference[PROMPTS[0]].output_ids
+
+
+def test_through_pd_router_output_equals_aggregated(pd_pair, reference, tiny_model, log_dir, tmp_path):
+    """pd-router (flow ``sglang-bootstrap``) fronting the SGLang pair: OpenAI completions in, both legs out
+    with the bootstrap fields; the text equals the aggregated server's."""
+    prefill, decode, port = pd_pair
+    config = tmp_path / "router.toml"
+    config.write_text(
+        "\n".join(
+            [
+                'flow = "sglang-bootstrap"',
+                "[model]",
+                f"path = {json.dumps(str(tiny_model))}",
+                "[policy]",
+                "threshold_tokens = 1",  # SGLang's D cannot prefill alone: every prompt goes P->D
+                "[health]",
+                "interval_s = 0.5",
+                "timeout_s = 5",  # SGLang's /health generates a token and takes >= 1 s
+                "[[prefill]]",
+                f"url = {json.dumps(base_url(prefill))}",
+                'engine = "sglang"',
+                f"bootstrap_port = {port}",
+                "[[decode]]",
+                f"url = {json.dumps(base_url(decode))}",
+                'engine = "sglang"',
+            ]
+        )
+        + "\n"
+    )
+    router = router_server(config, log_dir=log_dir, port=free_port(), name="pd-router-sglang")
+    with running(router, timeout_s=60):
+        for prompt in (PROMPTS[0], LONG_PROMPT):
+            payload = {
+                "model": str(tiny_model),
+                "prompt": prompt,
+                "max_tokens": MAX_NEW_TOKENS,
+                "temperature": 0,
+            }
+            request = urllib.request.Request(
+                f"{base_url(router)}/v1/completions",
+                json.dumps(payload).encode(),
+                {"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                assert resp.headers["X-PD-Route"] == "disagg"
+                answer = json.load(resp)
+            assert answer["choices"][0]["text"] == reference[prompt].body["text"], prompt
+    assert_drained(prefill)
+    assert_drained(decode)
 
 
 def test_through_sglang_router_output_equals_aggregated(pd_pair, reference, log_dir):
