@@ -25,6 +25,26 @@ UCX_TEST_ENV = {
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCXPY_PROGRESS_MODE": "blocking",
 }
+# Every engine server: no hub access, no tokenizer thread pools fighting the engine for two cores, UCX on lo.
+ENGINE_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **UCX_TEST_ENV}
+
+
+def _local_server(
+    name: str,
+    argv: Sequence[str],
+    port: int,
+    log_dir: Path,
+    env: Mapping[str, str],
+    health_path: str = "/health",
+) -> ManagedServer:
+    """A server on ``127.0.0.1:port`` logging to ``log_dir/NAME-PORT.log``, healthy when ``health_path`` is 200."""
+    return ManagedServer(
+        name=name,
+        argv=argv,
+        log_path=log_dir / f"{name}-{port}.log",
+        health_url=f"http://127.0.0.1:{port}{health_path}",
+        env=env,
+    )
 
 
 def vllm_server(
@@ -69,21 +89,13 @@ def vllm_server(
     server_env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # whole GiB: vLLM parses an int
         "VLLM_LOGGING_LEVEL": "INFO",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        **UCX_TEST_ENV,
+        **ENGINE_ENV,
     }
     if cpu_core is not None:
         server_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     server_env.update(env or {})
-    return ManagedServer(
-        name=name,
-        argv=argv,
-        log_path=log_dir / f"{name}-{port}.log",
-        health_url=f"http://127.0.0.1:{port}/health",
-        env=server_env,
-    )
+    return _local_server(name, argv, port, log_dir, server_env)
 
 
 # SGLang runs from its own virtualenv (`make sglang-env`): it pins torch and transformers versions that differ
@@ -163,23 +175,15 @@ def sglang_server(
     server_env = {
         "SGLANG_USE_CPU_ENGINE": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(STAND_INS_DIR), os.environ.get("PYTHONPATH")])),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
         # SGLang advertises (and our backend binds) the address get_local_ip_auto() finds, which is the NIC's
         # by default; keep every bootstrap and transfer listener on loopback.
         "SGLANG_HOST_IP": "127.0.0.1",
-        **UCX_TEST_ENV,
+        **ENGINE_ENV,
     }
     if cpu_core is not None:
         server_env["SGLANG_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     server_env.update(env or {})
-    return ManagedServer(
-        name=name,
-        argv=argv,
-        log_path=log_dir / f"{name}-{port}.log",
-        health_url=f"http://127.0.0.1:{port}/health",
-        env=server_env,
-    )
+    return _local_server(name, argv, port, log_dir, server_env)
 
 
 def sglang_router(
@@ -216,12 +220,7 @@ def sglang_router(
     for url in decode:
         argv += ["--decode", url]
     argv += list(extra_args)
-    return ManagedServer(
-        name=name,
-        argv=argv,
-        log_path=log_dir / f"{name}-{port}.log",
-        health_url=f"http://127.0.0.1:{port}/health",
-    )
+    return _local_server(name, argv, port, log_dir, {})
 
 
 def base_url(server: ManagedServer) -> str:
@@ -232,10 +231,4 @@ def base_url(server: ManagedServer) -> str:
 def router_server(config: Path, *, log_dir: Path, port: int, name: str = "router") -> ManagedServer:
     """``pd-router --config CONFIG --port PORT`` (not yet started); healthy once it answers ``/ready``."""
     argv = [sys.executable, "-m", "router.cli", "--config", str(config), "--port", str(port)]
-    return ManagedServer(
-        name=name,
-        argv=argv,
-        log_path=log_dir / f"{name}-{port}.log",
-        health_url=f"http://127.0.0.1:{port}/ready",
-        env={"TOKENIZERS_PARALLELISM": "false"},
-    )
+    return _local_server(name, argv, port, log_dir, {"TOKENIZERS_PARALLELISM": "false"}, health_path="/ready")
