@@ -38,8 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer, free_port, process_group_members
+from pd_disagg.tiny_model import bench_model
 
-MODEL = Path("/work/main/.cache/models/bench-llama")
 LOG_DIR = Path("logs/benchmarks/connector")
 SERVED = "bench"
 
@@ -162,10 +162,19 @@ def pair(
     env_d: dict[str, str],
     max_len: int,
 ) -> list[ManagedServer]:
-    common = {"log_dir": LOG_DIR, "max_model_len": max_len, "extra_args": ["--served-model-name", SERVED]}
+    model = bench_model()
     return [
-        vllm_server(MODEL, name=f"{name}-prefill", cpu_core=0, kv_transfer_config=kv_p, env=env_p, **common),  # type: ignore[arg-type]
-        vllm_server(MODEL, name=f"{name}-decode", cpu_core=1, kv_transfer_config=kv_d, env=env_d, **common),  # type: ignore[arg-type]
+        vllm_server(
+            model,
+            name=f"{name}-{role}",
+            cpu_core=core,
+            kv_transfer_config=kv,
+            env=env,
+            log_dir=LOG_DIR,
+            max_model_len=max_len,
+            extra_args=["--served-model-name", SERVED],
+        )
+        for role, core, kv, env in (("prefill", 0, kv_p, env_p), ("decode", 1, kv_d, env_d))
     ]
 
 
@@ -191,8 +200,6 @@ def main() -> None:
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     parser.add_argument("--nixl-timeout-s", type=float, default=180.0, help="per NIXL request (it can hang)")
     args = parser.parse_args()
-    if not MODEL.exists():
-        raise SystemExit(f"bench model missing: {MODEL} (build it with pd-tiny-model --preset bench)")
     rng = random.Random(0)
     max_len = args.prompt_tokens + 64
     bodies = [prompt_body(args.prompt_tokens, rng, 4) for _ in range(3 * args.reps + 3)]

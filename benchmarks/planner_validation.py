@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from rich.progress import MofNCompleteColumn, Progress
 
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
-from pd_disagg.tiny_model import PRESETS, build
+from pd_disagg.tiny_model import bench_model
 from planner import model, plots
 from planner.profile import Profile, save_profile
 from planner.profiler import ProfilerConfig, RandomPrompts, RequestTiming, measure_profile, stream_completion
@@ -85,12 +84,6 @@ async def _real_run(
     return np.array([r[0] for r in results]), np.array([r[1] for r in results])
 
 
-def _bench_model() -> Path:
-    """``PD_BENCH_MODEL`` if set, else the bench preset built (once) into .cache."""
-    env = os.environ.get("PD_BENCH_MODEL")
-    return Path(env) if env else build(ROOT / ".cache" / "models" / "bench-llama", PRESETS["bench"])
-
-
 def _servers(args: argparse.Namespace, log_dir: Path) -> tuple[ManagedServer, ManagedServer]:
     max_len = args.isl + args.osl + DECODE_PROMPT_TOKENS + 64
     prefill = vllm_server(
@@ -130,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=ROOT / "logs" / "benchmarks" / "planner")
     parser.add_argument("--plot-dir", type=Path, help="write decode-curve.png and attainment.png here")
     args = parser.parse_args(argv)
-    args.model = args.model or _bench_model()
+    args.model = args.model or bench_model()
     console = Console(file=sys.stderr)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     servers = _servers(args, args.log_dir)

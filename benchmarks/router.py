@@ -242,9 +242,9 @@ async def measure(
     }
     for rep in range(reps):
         for name in ports:
-            r, c = await max_rps(ports[name], rps_seconds, pgids[name])
-            rps[name].append(r)
-            cpu[name].append(c)
+            rate, cpu_us = await max_rps(ports[name], rps_seconds, pgids[name])
+            rps[name].append(rate)
+            cpu[name].append(cpu_us)
         log(
             f"rep {rep} max rps: "
             + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in ports)

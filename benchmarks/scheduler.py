@@ -38,6 +38,7 @@ import numpy as np
 
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import running
+from pd_disagg.tiny_model import bench_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_TIMEOUT_S = 300.0
@@ -249,7 +250,9 @@ def plot(results: dict[str, dict], target_ms: float, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT.parent.parent / "main/.cache/models/bench-llama"))
+    parser.add_argument(
+        "--model", help="model directory (default: PD_BENCH_MODEL or the bench preset, built once)"
+    )
     parser.add_argument("--target-ms", type=float, default=100.0)
     parser.add_argument("--decodes", type=int, default=4)
     parser.add_argument("--long-tokens", type=int, default=2000)
@@ -267,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "scheduler_gaps.png")
     args = parser.parse_args(argv)
+    args.model = args.model or str(bench_model())
     # SIGTERM (e.g. `timeout`) must unwind through `running()` so the server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Workload(

@@ -67,6 +67,17 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def bench_model() -> Path:
+    """The model benchmarks use: ``PD_BENCH_MODEL`` if set, else the ``bench`` preset built (once) into this
+    checkout's ``.cache/models/bench-llama``. Called by ``python -m benchmarks.*`` in the harness process."""
+    env = os.environ.get("PD_BENCH_MODEL")
+    if env:
+        return Path(env)
+    return build(
+        Path(__file__).resolve().parent.parent / ".cache" / "models" / "bench-llama", PRESETS["bench"]
+    )
+
+
 def _training_files(limit: int = 400) -> list[str]:
     """Python standard library sources, sorted so training sees the same text in the same order."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
