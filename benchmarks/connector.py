@@ -111,24 +111,7 @@ def ttft_pd(p_url: str, d_url: str, bootstrap: str, body: dict[str, Any]) -> flo
 
 def ttft_standard(p_url: str, d_url: str, body: dict[str, Any], timeout_s: float = 600.0) -> float:
     t0 = time.perf_counter()
-    p_answer = pd_client.post_json(
-        p_url + "/v1/completions",
-        pd_client.prefill_body(
-            body,
-            {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        ),
-        timeout_s,
-    )
-    params = p_answer.get("kv_transfer_params")
-    if not params:
-        raise RuntimeError(f"P returned no kv_transfer_params: {p_answer}")
+    params = pd_client.standard_prefill(p_url, body, timeout_s=timeout_s)
     return stream_first_token(d_url, {**body, "kv_transfer_params": params}, t0)
 
 

@@ -77,14 +77,10 @@ def disaggregated(
     return answer, p_result[0] if p_result else TimeoutError("P leg did not return")
 
 
-def vllm_standard(
-    prefill_url: str,
-    decode_url: str,
-    body: dict[str, Any],
-    path: str = "/v1/completions",
-    timeout_s: float = 120.0,
+def standard_prefill(
+    prefill_url: str, body: dict[str, Any], path: str = "/v1/completions", timeout_s: float = 120.0
 ) -> dict[str, Any]:
-    """vLLM's standard flow: P first with ``do_remote_decode``, then D with the params P returned."""
+    """First leg of vLLM's standard flow: P with ``do_remote_decode``; returns the params D needs."""
     p_answer = post_json(
         prefill_url + path,
         prefill_body(
@@ -103,4 +99,16 @@ def vllm_standard(
     params = p_answer.get("kv_transfer_params")
     if not params:
         raise RuntimeError(f"P returned no kv_transfer_params: {p_answer}")
+    return dict(params)
+
+
+def vllm_standard(
+    prefill_url: str,
+    decode_url: str,
+    body: dict[str, Any],
+    path: str = "/v1/completions",
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """vLLM's standard flow: P first with ``do_remote_decode``, then D with the params P returned."""
+    params = standard_prefill(prefill_url, body, path, timeout_s)
     return post_json(decode_url + path, {**body, "kv_transfer_params": params}, timeout_s)
