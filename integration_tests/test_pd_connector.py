@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_disagg import pd_client
-from pd_disagg.engines import base_url, router_server, vllm_server
+from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 
 MAX_MODEL_LEN = 1024
@@ -243,27 +243,16 @@ ROUTER_THRESHOLD = 64  # prompts of at least this many tokens take the P->D path
 def router(start_servers, cluster: Cluster, tmp_path_factory, log_dir: Path) -> str:
     """pd-router (a real process) in front of the module's P and D, in our push flow (CONTRACT.md)."""
     cluster.ensure(prefix_caching=True)
-    config = tmp_path_factory.mktemp("pd-router") / "router.toml"
-    config.write_text(
-        "\n".join(
-            [
-                'flow = "pd-push"',
-                "[model]",
-                f"path = {json.dumps(str(cluster.model))}",
-                'served_names = ["tiny"]',
-                f"max_model_len = {MAX_MODEL_LEN}",
-                "[policy]",
-                f"threshold_tokens = {ROUTER_THRESHOLD}",
-                "[health]",
-                "interval_s = 0.5",
-                "[[prefill]]",
-                f"url = {json.dumps(cluster.p_url)}",
-                f"bootstrap = {json.dumps(cluster.bootstrap)}",
-                "[[decode]]",
-                f"url = {json.dumps(cluster.d_url)}",
-            ]
-        )
-        + "\n"
+    config = write_router_config(
+        tmp_path_factory.mktemp("pd-router") / "router.toml",
+        flow="pd-push",
+        sections={
+            "model": {"path": str(cluster.model), "served_names": ["tiny"], "max_model_len": MAX_MODEL_LEN},
+            "policy": {"threshold_tokens": ROUTER_THRESHOLD},
+            "health": {"interval_s": 0.5},
+        },
+        prefill=[{"url": cluster.p_url, "bootstrap": cluster.bootstrap}],
+        decode=[{"url": cluster.d_url}],
     )
     (server,) = start_servers(router_server(config, log_dir=log_dir, port=free_port(), name="pd-router"))
     return base_url(server)

@@ -30,7 +30,7 @@ from integration_tests.sglang_client import (
     post,
     stream_then_disconnect,
 )
-from pd_disagg.engines import base_url, router_server, sglang_router, sglang_server
+from pd_disagg.engines import base_url, router_server, sglang_router, sglang_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port, running
 
 PROMPTS = [
@@ -226,28 +226,18 @@ def test_through_pd_router_output_equals_aggregated(pd_pair, reference, tiny_mod
     """pd-router (flow ``sglang-bootstrap``) fronting the SGLang pair: OpenAI completions in, both legs out
     with the bootstrap fields; the text equals the aggregated server's."""
     prefill, decode, port = pd_pair
-    config = tmp_path / "router.toml"
-    config.write_text(
-        "\n".join(
-            [
-                'flow = "sglang-bootstrap"',
-                "[model]",
-                f"path = {json.dumps(str(tiny_model))}",
-                "[policy]",
-                "threshold_tokens = 1",  # SGLang's D cannot prefill alone: every prompt goes P->D
-                "[health]",
-                "interval_s = 0.5",
-                "timeout_s = 5",  # SGLang's /health generates a token and takes >= 1 s
-                "[[prefill]]",
-                f"url = {json.dumps(base_url(prefill))}",
-                'engine = "sglang"',
-                f"bootstrap_port = {port}",
-                "[[decode]]",
-                f"url = {json.dumps(base_url(decode))}",
-                'engine = "sglang"',
-            ]
-        )
-        + "\n"
+    config = write_router_config(
+        tmp_path / "router.toml",
+        flow="sglang-bootstrap",
+        sections={
+            "model": {"path": str(tiny_model)},
+            # SGLang's D cannot prefill alone: every prompt goes P->D.
+            "policy": {"threshold_tokens": 1},
+            # SGLang's /health generates a token and takes >= 1 s.
+            "health": {"interval_s": 0.5, "timeout_s": 5},
+        },
+        prefill=[{"url": base_url(prefill), "engine": "sglang", "bootstrap_port": port}],
+        decode=[{"url": base_url(decode), "engine": "sglang"}],
     )
     router = router_server(config, log_dir=log_dir, port=free_port(), name="pd-router-sglang")
     with running(router, timeout_s=60):

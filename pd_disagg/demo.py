@@ -25,7 +25,7 @@ from types import FrameType
 import aiohttp
 from rich.console import Console
 
-from pd_disagg.engines import base_url, router_server, vllm_server
+from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 from router.tokenize import PromptTokenizer
 
@@ -127,25 +127,15 @@ def _cluster(model: Path, log_dir: Path) -> tuple[list[ManagedServer], ManagedSe
         log_dir=log_dir,
         max_model_len=MAX_MODEL_LEN,
     )
-    config = log_dir / "router.toml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(
-        "\n".join(
-            [
-                'flow = "pd-push"',
-                "[model]",
-                f"path = {json.dumps(str(model))}",
-                f"max_model_len = {MAX_MODEL_LEN}",
-                "[policy]",
-                f"threshold_tokens = {THRESHOLD_TOKENS}",
-                "[[prefill]]",
-                f"url = {json.dumps(base_url(prefill))}",
-                f'bootstrap = "127.0.0.1:{side_channel_port}"',
-                "[[decode]]",
-                f"url = {json.dumps(base_url(decode))}",
-            ]
-        )
-        + "\n"
+    config = write_router_config(
+        log_dir / "router.toml",
+        flow="pd-push",
+        sections={
+            "model": {"path": str(model), "max_model_len": MAX_MODEL_LEN},
+            "policy": {"threshold_tokens": THRESHOLD_TOKENS},
+        },
+        prefill=[{"url": base_url(prefill), "bootstrap": f"127.0.0.1:{side_channel_port}"}],
+        decode=[{"url": base_url(decode)}],
     )
     return [prefill, decode], router_server(config, log_dir=log_dir, port=free_port())
 

@@ -228,6 +228,29 @@ def base_url(server: ManagedServer) -> str:
     return server.health_url.rsplit("/", 1)[0]
 
 
+def write_router_config(
+    path: Path,
+    *,
+    flow: str,
+    sections: Mapping[str, Mapping[str, Any]],
+    prefill: Sequence[Mapping[str, Any]] = (),
+    decode: Sequence[Mapping[str, Any]] = (),
+) -> Path:
+    """Write a pd-router TOML config (``flow``, ``[section]`` tables, ``[[prefill]]``/``[[decode]]`` workers).
+
+    Values are written as JSON literals, which TOML reads the same for strings, numbers, booleans and lists.
+    """
+    lines = [f"flow = {json.dumps(flow)}"]
+    for name, table in sections.items():
+        lines += [f"[{name}]", *(f"{key} = {json.dumps(value)}" for key, value in table.items())]
+    for role, workers in (("prefill", prefill), ("decode", decode)):
+        for worker in workers:
+            lines += [f"[[{role}]]", *(f"{key} = {json.dumps(value)}" for key, value in worker.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def router_server(config: Path, *, log_dir: Path, port: int, name: str = "router") -> ManagedServer:
     """``pd-router --config CONFIG --port PORT`` (not yet started); healthy once it answers ``/ready``."""
     argv = [sys.executable, "-m", "router.cli", "--config", str(config), "--port", str(port)]
