@@ -288,6 +288,64 @@ def test_router_sends_long_prompts_p_to_d_and_short_ones_to_d(honest: Cluster, r
     )
 
 
+def _stream_through_router(router: str, path: str, payload: dict[str, Any]) -> tuple[str, list[bytes]]:
+    """Stream a request through pd-router; returns (the path it took, every SSE event up to [DONE])."""
+    host, port = router.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, json.dumps(payload), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        events, buf = [], b""
+        while not events or events[-1] != b"data: [DONE]":
+            chunk = resp.read1(65536)
+            assert chunk, f"stream ended without [DONE] after {len(events)} events"
+            buf += chunk
+            *done, buf = buf.split(b"\n\n")
+            events.extend(done)
+        return resp.getheader("X-PD-Route") or "", events
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("n", [ROUTER_THRESHOLD + 326, ROUTER_THRESHOLD + 7])
+def test_router_streams_disaggregated_completions(honest: Cluster, router: str, n: int) -> None:
+    """A streamed long prompt through pd-router: P->D, the colocated tokens, a final chunk and [DONE].
+
+    (A 390-token prompt once got no [DONE] here.) Tokens are not required to arrive one per event: vLLM's
+    front end merges the deltas it has not sent yet, which happens on this two-core machine because vLLM's
+    CPU workers spin-wait for about a second after each step and starve the front-end processes.
+    """
+    prompt = tokens(n, seed=6000 + n)
+    route, events = _stream_through_router(router, "/v1/completions", body(prompt, stream=True))
+    assert route == "disagg"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == honest.reference(prompt)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_router_streams_disaggregated_chat(honest: Cluster, router: str) -> None:
+    """A streamed chat request long enough for P->D: text arrives in several events and ends with [DONE]
+    and usage, as vLLM's own stream does."""
+    payload = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    route, events = _stream_through_router(router, "/v1/chat/completions", payload)
+    assert route == "disagg"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert chunks[-1]["usage"]["prompt_tokens"] >= ROUTER_THRESHOLD
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert sum(1 for d in deltas if d.get("content")) >= MAX_TOKENS // 2
+
+
 def test_sixteen_concurrent_requests(honest: Cluster) -> None:
     prompts = [tokens(60 + 37 * i, seed=2000 + i) for i in range(16)]
     references = [honest.reference(p) for p in prompts]
