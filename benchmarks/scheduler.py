@@ -12,9 +12,10 @@ Reported per configuration (all from the measurement window, after a warm-up lon
 - ``itl_p99``: p99 of all gaps; ``ttft_long_p50``: median TTFT of the long prompts;
 - ``throughput``: generated tokens per second (decode streams and long prompts).
 
-``static_best``: static ``--max-num-batched-tokens`` candidates are derived from the default run (decode step
-time and per-token prefill cost), each is run, and the one that holds the target (window p99 and p99 <= the
-target) with the lowest long-prompt TTFT is reported (the smallest candidate if none holds it).
+``static_best``: the largest static ``--max-num-batched-tokens`` that holds the target (window p99 and p99 <=
+the target), searched in steps of 16 tokens from an estimate derived from the default run (decode step time
+and per-token prefill cost); among the budgets run, the holding one with the lowest long-prompt TTFT is
+reported (the smallest one run if none holds it).
 
 Progress goes to stderr; the last stdout line is the JSON summary. Runs in the harness process; servers are
 started and always stopped through ``pd_disagg.servers``.
@@ -29,6 +30,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from pd_disagg.tiny_model import bench_model
 
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_TIMEOUT_S = 300.0
+STATIC_STEP = 16  # granularity of the static --max-num-batched-tokens search (tokens)
 
 
 @dataclass
@@ -208,13 +211,33 @@ def run_config(
     return result
 
 
-def static_candidates(default: dict, work: Workload, target_ms: float) -> list[int]:
-    """Budgets around the one whose step is predicted to hit the target, from the default run's figures:
-    step(B) ~ decode step + (B - decodes) * per-token prefill cost."""
+def static_estimate(default: dict, work: Workload, target_ms: float) -> int:
+    """The budget whose step is predicted to hit the target, from the default run's figures:
+    step(B) ~ decode step + (B - decodes) * per-token prefill cost, rounded down to ``STATIC_STEP``."""
     step_ms = float(default["itl_p50_ms"])
     per_token_ms = float(default["ttft_long_p50_ms"]) / work.long_tokens
-    best = max(32, int(work.decodes + (target_ms - step_ms) / per_token_ms) // 16 * 16)
-    return [best, 2 * best]  # the estimate, and twice it in case load inflated the per-token cost
+    return max(
+        STATIC_STEP, int(work.decodes + (target_ms - step_ms) / per_token_ms) // STATIC_STEP * STATIC_STEP
+    )
+
+
+def search_static(run: Callable[[int], dict], start: int, target_ms: float, tries: int) -> dict[int, dict]:
+    """Find the largest static budget (a multiple of ``STATIC_STEP``) that holds the target, by runs.
+
+    Starts at ``start``; steps down while it misses the target, up while it holds it, and stops at the
+    boundary or after ``tries`` runs. The estimate ignores attention's growth with depth, so the boundary
+    is usually one or two steps below it. The largest holding budget has the best long-prompt TTFT: that
+    is ``static_best``.
+    """
+    results: dict[int, dict] = {}
+    budget = start
+    while len(results) < tries and budget >= STATIC_STEP and budget not in results:
+        results[budget] = run(budget)
+        held = holds_target(results[budget], target_ms)
+        if (budget + STATIC_STEP if held else budget - STATIC_STEP) in results:
+            break  # both sides of the boundary were run
+        budget += STATIC_STEP if held else -STATIC_STEP
+    return results
 
 
 def holds_target(result: dict, target_ms: float) -> bool:
@@ -259,7 +282,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-rate", type=float, default=1 / 8, help="long prompts per second (Poisson)")
     parser.add_argument("--duration", type=float, default=45.0, help="measurement window per config (s)")
     parser.add_argument("--cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND for the server")
-    parser.add_argument("--static", type=int, nargs="*", help="static budgets to try (default: derived)")
+    parser.add_argument(
+        "--static", type=int, nargs="*", help="static budgets to try (default: searched, see --static-tries)"
+    )
+    parser.add_argument(
+        "--static-tries",
+        type=int,
+        default=4,
+        help="at most this many static runs when searching for the largest budget that holds the target",
+    )
     parser.add_argument(
         "--ours-setting",
         action="append",
@@ -284,10 +315,16 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
     )
     results = {"default": run_config("default", args, work, [], {})}
-    candidates = args.static or static_candidates(results["default"], work, args.target_ms)
-    statics = {
-        b: run_config(f"static-{b}", args, work, ["--max-num-batched-tokens", str(b)], {}) for b in candidates
-    }
+
+    def run_static(budget: int) -> dict:
+        return run_config(f"static-{budget}", args, work, ["--max-num-batched-tokens", str(budget)], {})
+
+    if args.static:
+        statics = {b: run_static(b) for b in args.static}
+    else:
+        start = static_estimate(results["default"], work, args.target_ms)
+        statics = search_static(run_static, start, args.target_ms, args.static_tries)
+    candidates = sorted(statics)
     holding = [b for b in candidates if holds_target(statics[b], args.target_ms)]
     best = min(holding, key=lambda b: statics[b]["ttft_long_p50_ms"]) if holding else min(candidates)
     results["static_best"] = statics[best]

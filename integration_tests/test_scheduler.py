@@ -22,11 +22,15 @@ import pytest
 
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
+from scheduler_plugins.config import SchedulerSettings
 
 BUDGET_LINE = re.compile(r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+)")
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 # Each step carries every decode plus one chunk, so streams outlive the 29 chunk steps of a 900-token prompt.
 DECODE_TOKENS = 200
+# The scheduler's defaults (chunk_align_tokens=16, min_chunk_tokens=0 = one alignment unit).
+ALIGN = SchedulerSettings().chunk_align(block_size=32)
+MIN_CHUNK = SchedulerSettings().min_chunk(block_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +149,7 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
         during = [t for t in times if sent < t < first_token]
         assert during, "a decode stream froze for the whole prefill of the long prompt"
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
-    assert overloaded and {chunk for _, chunk in overloaded} == {32}, "overloaded: exactly the minimum chunk"
+    assert overloaded and {chunk for _, chunk in overloaded} == {MIN_CHUNK}, "overloaded: exactly the floor"
 
 
 def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> None:
@@ -170,4 +174,4 @@ def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> Non
     tight = [chunk for target, chunk in lines if target == 8]
     assert loose and tight
     assert statistics.median(tight) < statistics.median(loose)
-    assert min(tight) >= 32 and all(chunk % 32 == 0 for chunk in tight)  # block-aligned, >= minimum
+    assert min(tight) >= MIN_CHUNK and all(chunk % ALIGN == 0 for chunk in tight)  # aligned, >= minimum

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
-from benchmarks.scheduler import Stream, Workload, holds_target, summarize
+from benchmarks.scheduler import Stream, Workload, holds_target, search_static, summarize
 
 pytestmark = pytest.mark.unit
 
@@ -40,3 +42,30 @@ def test_long_schedule_is_seeded_poisson_with_distinct_prompts() -> None:
     assert np.all(np.diff(times) > 0) and times[-1] <= 200.0
     assert 60 <= len(times) <= 140  # ~100 expected
     assert len({tuple(p) for _, p in first}) == len(first)
+
+
+def _fake_run(boundary: int, ran: list[int]) -> Callable[[int], dict]:
+    """A static run whose gaps hold a 100 ms target up to ``boundary`` tokens and miss it above."""
+
+    def run(budget: int) -> dict:
+        ran.append(budget)
+        gap = 90.0 if budget <= boundary else 110.0
+        return {"itl_window_p99_ms": gap, "itl_p99_ms": gap}
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("start", "boundary", "expect_runs"), [(64, 48, [64, 48]), (32, 64, [32, 48, 64, 80])]
+)
+def test_static_search_stops_at_the_boundary(start: int, boundary: int, expect_runs: list[int]) -> None:
+    ran: list[int] = []
+    results = search_static(_fake_run(boundary, ran), start, 100.0, tries=6)
+    assert ran == expect_runs
+    assert max(b for b, r in results.items() if holds_target(r, 100.0)) == boundary
+
+
+def test_static_search_is_bounded_by_tries() -> None:
+    ran: list[int] = []
+    search_static(_fake_run(16, ran), 128, 100.0, tries=3)
+    assert ran == [128, 112, 96]

@@ -48,3 +48,10 @@ def test_bad_values_name_the_setting(env: dict, additional: dict | None, fragmen
 def test_min_chunk_is_aligned(align: int, min_chunk: int, block: int, expect: int) -> None:
     settings = SchedulerSettings(chunk_align_tokens=align, min_chunk_tokens=min_chunk)
     assert settings.min_chunk(block) == expect
+
+
+def test_default_chunks_are_finer_than_a_block() -> None:
+    """By default chunks are 16-token multiples whatever the block size (vLLM needs no block alignment)."""
+    settings = SchedulerSettings()
+    assert (settings.chunk_align(32), settings.min_chunk(32)) == (16, 16)
+    assert SchedulerSettings(chunk_align_tokens=0).chunk_align(32) == 32
