@@ -3,8 +3,8 @@
 One P and one D run at a time (P pinned to core 0, D to core 1) and are shared by the module's tests; a test
 that needs D without prefix caching or with another ``kv_load_failure_policy``, or that killed a server,
 restarts only that one through ``Cluster``. Server starts dominate the wall time, so the tests that kill
-servers come last, and the tests that need another D follow the test that killed D. Requests follow CONTRACT.md through ``pd_disagg.pd_client`` (both legs sent
-concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
+servers come last, and the tests that need another D follow the test that killed D. Requests follow
+CONTRACT.md through ``pd_disagg.pd_client`` (both legs sent concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
 without prefix caching, so every reference is computed from scratch.
 """
 
@@ -55,6 +55,11 @@ def body(prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[
         "return_token_ids": True,
         **extra,
     }
+
+
+def decode_params(transfer_id: str, prefill_addr: str) -> dict[str, Any]:
+    """D's kv_transfer_params in our push flow (CONTRACT.md)."""
+    return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": prefill_addr}
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
@@ -430,11 +435,7 @@ def test_random_aborts_release_all_blocks(honest: Cluster) -> None:
             prompt,
             max_tokens=200,
             stream=True,
-            kv_transfer_params={
-                "pd_transfer_id": transfer_id,
-                "pd_role": "decode",
-                "pd_prefill_addr": honest.bootstrap,
-            },
+            kv_transfer_params=decode_params(transfer_id, honest.bootstrap),
         )
         delay = rng.uniform(0.0, 0.6)
         with ThreadPoolExecutor(2) as pool:
@@ -490,11 +491,7 @@ def test_decode_times_out_when_prefill_never_delivers(honest: Cluster) -> None:
         honest.d_url + "/v1/completions",
         body(
             prompt,
-            kv_transfer_params={
-                "pd_transfer_id": uuid.uuid4().hex,
-                "pd_role": "decode",
-                "pd_prefill_addr": honest.bootstrap,
-            },
+            kv_transfer_params=decode_params(uuid.uuid4().hex, honest.bootstrap),
         ),
     )
     took = time.monotonic() - start
@@ -565,8 +562,8 @@ def test_killing_decode_mid_transfer_leaves_prefill_healthy(honest: Cluster) -> 
     assert token_ids(pd_client.post_json(cluster.p_url + "/v1/completions", body(prompt))) == reference
 
 
-def _fail_policy_error(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[int, list[bytes]]:
-    """POST to D, return (HTTP status, the body split in SSE events, or the whole body as one event)."""
+def _post_status(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[int, list[bytes]]:
+    """POST a completion; return (HTTP status, the body split in SSE events, or the whole body as one)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
@@ -580,11 +577,9 @@ def _fail_policy_error(url: str, payload: dict[str, Any], timeout_s: float) -> t
 
 
 #: What vLLM 0.32 returns for a request finished with FinishReason.ERROR (GenerationError): no tokens.
-VLLM_GENERATION_ERROR = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
-
-
-def _decode_params(transfer_id: str, prefill_addr: str) -> dict[str, Any]:
-    return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": prefill_addr}
+VLLM_GENERATION_ERROR = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+}
 
 
 def test_fail_policy_ends_request_with_error(cluster: Cluster) -> None:
@@ -598,31 +593,31 @@ def test_fail_policy_ends_request_with_error(cluster: Cluster) -> None:
     failures = metric(cluster.d_url, "vllm:pd_connector_failures_total")
     # 1) A transfer P never runs: D's destinations wait out P's lease (or D's load timeout) and fail.
     start = time.monotonic()
-    status, events = _fail_policy_error(
+    status, events = _post_status(
         cluster.d_url,
-        body(tokens(300, seed=11000), kv_transfer_params=_decode_params(uuid.uuid4().hex, cluster.bootstrap)),
+        body(tokens(300, seed=11000), kv_transfer_params=decode_params(uuid.uuid4().hex, cluster.bootstrap)),
         timeout_s=D_LOAD_TIMEOUT_S + 20,
     )
     took = time.monotonic() - start
     assert status == 500, events
-    assert json.loads(events[0]) == {"error": {**VLLM_GENERATION_ERROR, "param": None}}
+    assert json.loads(events[0]) == VLLM_GENERATION_ERROR
     assert min(D_LOAD_TIMEOUT_S, LEASE_S) - 0.5 <= took <= D_LOAD_TIMEOUT_S + 20
     # 2) Streamed, from a P address nobody listens on: the connect fails and the error comes at once.
     start = time.monotonic()
-    status, events = _fail_policy_error(
+    status, events = _post_status(
         cluster.d_url,
         body(
             tokens(200, seed=11001),
             stream=True,
-            kv_transfer_params=_decode_params(uuid.uuid4().hex, f"127.0.0.1:{free_port()}"),
+            kv_transfer_params=decode_params(uuid.uuid4().hex, f"127.0.0.1:{free_port()}"),
         ),
         timeout_s=D_LOAD_TIMEOUT_S + 20,
     )
     assert status == 200, events
     assert events[-1] == b"data: [DONE]", events
-    assert [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]] == [
-        {"error": {**VLLM_GENERATION_ERROR, "param": None}}
-    ], "an error event and no tokens"
+    assert [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]] == [VLLM_GENERATION_ERROR], (
+        "an error event and no tokens"
+    )
     assert time.monotonic() - start < D_LOAD_TIMEOUT_S, "a refused connection fails before the timeout"
     wait_until(lambda: blocks_idle(cluster.d_url), 15, "D blocks freed after the failed loads")
     prompt = tokens(300, seed=11002)
