@@ -1,9 +1,10 @@
 """PDConnector on real vLLM CPU servers (tiny model, float32): P pushes KV layer by layer, D decodes.
 
 One P and one D run at a time (P pinned to core 0, D to core 1) and are shared by the module's tests; a test
-that needs D without prefix caching, or that killed a server, restarts only that one through ``Cluster``.
-Server starts dominate the wall time, so the tests that kill servers come last. Requests follow CONTRACT.md through ``pd_disagg.pd_client`` (both legs sent
-concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
+that needs D without prefix caching or with another ``kv_load_failure_policy``, or that killed a server,
+restarts only that one through ``Cluster``. Server starts dominate the wall time, so the tests that kill
+servers come last, and the tests that need another D follow the test that killed D. Requests follow
+CONTRACT.md through ``pd_disagg.pd_client`` (both legs sent concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
 without prefix caching, so every reference is computed from scratch.
 """
 
@@ -17,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +34,7 @@ CHUNK = 64  # P's max-num-batched-tokens: every prompt above it is prefilled in 
 LEASE_S = 12.0
 D_LOAD_TIMEOUT_S = 20.0
 VOCAB = 1900  # token ids drawn below the tiny model's vocabulary size
+FailurePolicy = Literal["recompute", "fail"]  # D's kv_load_failure_policy
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -53,6 +55,11 @@ def body(prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[
         "return_token_ids": True,
         **extra,
     }
+
+
+def decode_params(transfer_id: str, prefill_addr: str) -> dict[str, Any]:
+    """D's kv_transfer_params in our push flow (CONTRACT.md)."""
+    return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": prefill_addr}
 
 
 def token_ids(answer: dict[str, Any]) -> list[int]:
@@ -100,6 +107,7 @@ class Cluster:
         self.prefill: ManagedServer | None = None
         self.decode: ManagedServer | None = None
         self.decode_prefix_caching: bool | None = None
+        self.decode_failure_policy: FailurePolicy | None = None
         self._references: dict[tuple[int, ...], list[int]] = {}
 
     @property
@@ -143,11 +151,11 @@ class Cluster:
             },
         )
 
-    def _decode_server(self, prefix_caching: bool) -> ManagedServer:
+    def _decode_server(self, prefix_caching: bool, failure_policy: FailurePolicy) -> ManagedServer:
         return vllm_server(
             self.model,
             log_dir=self._log_dir,
-            name="pd-decode" if prefix_caching else "pd-decode-nocache",
+            name=f"pd-decode-{'cache' if prefix_caching else 'nocache'}-{failure_policy}",
             dtype="float32",
             cpu_core=1,
             max_model_len=MAX_MODEL_LEN,
@@ -156,25 +164,35 @@ class Cluster:
             kv_transfer_config={
                 "kv_connector": "PDConnector",
                 "kv_role": "kv_consumer",
-                "kv_load_failure_policy": "recompute",
+                "kv_load_failure_policy": failure_policy,
                 "kv_connector_extra_config": {"load_timeout_s": D_LOAD_TIMEOUT_S},
             },
         )
 
-    def ensure(self, *, prefix_caching: bool | None = None) -> Cluster:
-        """Start whatever is missing or dead (in parallel); restart D if its prefix caching must change."""
+    def ensure(
+        self, *, prefix_caching: bool | None = None, failure_policy: FailurePolicy | None = None
+    ) -> Cluster:
+        """Start whatever is missing or dead (in parallel); restart D if its prefix caching or
+        ``kv_load_failure_policy`` must change. Unnamed settings stay as last started (at first: prefix
+        caching on, policy recompute)."""
         want_cache = self.decode_prefix_caching if prefix_caching is None else prefix_caching
         want_cache = True if want_cache is None else want_cache
+        want_policy = failure_policy or self.decode_failure_policy or "recompute"
         to_start = []
         if self.prefill is None or not self.prefill.alive():
             if self.prefill is not None:
                 self.prefill.stop()
             self.prefill = self._prefill_server()
             to_start.append(self.prefill)
-        if self.decode is None or not self.decode.alive() or self.decode_prefix_caching != want_cache:
+        if (
+            self.decode is None
+            or not self.decode.alive()
+            or (self.decode_prefix_caching, self.decode_failure_policy) != (want_cache, want_policy)
+        ):
             if self.decode is not None:
                 self.decode.stop()
-            self.decode, self.decode_prefix_caching = self._decode_server(want_cache), want_cache
+            self.decode = self._decode_server(want_cache, want_policy)
+            self.decode_prefix_caching, self.decode_failure_policy = want_cache, want_policy
             to_start.append(self.decode)
         if to_start:
             self._start(*to_start)
@@ -417,11 +435,7 @@ def test_random_aborts_release_all_blocks(honest: Cluster) -> None:
             prompt,
             max_tokens=200,
             stream=True,
-            kv_transfer_params={
-                "pd_transfer_id": transfer_id,
-                "pd_role": "decode",
-                "pd_prefill_addr": honest.bootstrap,
-            },
+            kv_transfer_params=decode_params(transfer_id, honest.bootstrap),
         )
         delay = rng.uniform(0.0, 0.6)
         with ThreadPoolExecutor(2) as pool:
@@ -465,34 +479,10 @@ def test_lease_expiry_frees_prefill_blocks(honest: Cluster) -> None:
     )
 
 
-def test_killing_decode_mid_transfer_leaves_prefill_healthy(honest: Cluster) -> None:
-    cluster = honest
-    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=6000)
-    reference = cluster.reference(prompt)
-    assert cluster.decode is not None
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(
-            pd_client.disaggregated, cluster.p_url, cluster.d_url, cluster.bootstrap, body(prompt)
-        )
-        time.sleep(0.05)
-        cluster.decode.kill()
-        with pytest.raises(OSError):
-            pending.result(timeout=120)
-    # D died before it connected (P's lease frees the blocks) or while receiving (the broken connection does).
-    wait_until(lambda: blocks_idle(cluster.p_url), LEASE_S + 20, "P blocks released after D died")
-    assert token_ids(pd_client.post_json(cluster.p_url + "/v1/completions", body(prompt))) == reference
-
-
-def test_disaggregated_equals_colocated_without_decode_prefix_cache(cluster: Cluster) -> None:
-    cluster.ensure(prefix_caching=False)
-    for n in PROMPT_LENGTHS:
-        prompt = tokens(n, seed=n)
-        assert cluster.disaggregated(prompt) == cluster.reference(prompt), f"{n} tokens"
-
-
 def test_decode_times_out_when_prefill_never_delivers(honest: Cluster) -> None:
     """D waits for a transfer P never heard of: after its load timeout (or P's lease on the orphaned
     destinations, whichever is shorter) it recomputes (policy recompute) and answers correctly."""
+    honest.ensure(failure_policy="recompute")
     prompt = tokens(300, seed=7000)
     reference = honest.reference(prompt)
     failures = metric(honest.d_url, "vllm:pd_connector_failures_total")
@@ -501,11 +491,7 @@ def test_decode_times_out_when_prefill_never_delivers(honest: Cluster) -> None:
         honest.d_url + "/v1/completions",
         body(
             prompt,
-            kv_transfer_params={
-                "pd_transfer_id": uuid.uuid4().hex,
-                "pd_role": "decode",
-                "pd_prefill_addr": honest.bootstrap,
-            },
+            kv_transfer_params=decode_params(uuid.uuid4().hex, honest.bootstrap),
         ),
     )
     took = time.monotonic() - start
@@ -518,7 +504,7 @@ def test_decode_times_out_when_prefill_never_delivers(honest: Cluster) -> None:
 
 
 def test_killing_prefill_mid_transfer_makes_decode_recompute(honest: Cluster) -> None:
-    cluster = honest
+    cluster = honest.ensure(failure_policy="recompute")
     prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=8000)
     reference = cluster.reference(prompt)
     assert cluster.prefill is not None
@@ -556,3 +542,96 @@ def test_restarted_prefill_serves_again(cluster: Cluster) -> None:
         15,
         "KV received from the restarted P",
     )
+
+
+def test_killing_decode_mid_transfer_leaves_prefill_healthy(honest: Cluster) -> None:
+    cluster = honest
+    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=6000)
+    reference = cluster.reference(prompt)
+    assert cluster.decode is not None
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            pd_client.disaggregated, cluster.p_url, cluster.d_url, cluster.bootstrap, body(prompt)
+        )
+        time.sleep(0.05)
+        cluster.decode.kill()
+        with pytest.raises(OSError):
+            pending.result(timeout=120)
+    # D died before it connected (P's lease frees the blocks) or while receiving (the broken connection does).
+    wait_until(lambda: blocks_idle(cluster.p_url), LEASE_S + 20, "P blocks released after D died")
+    assert token_ids(pd_client.post_json(cluster.p_url + "/v1/completions", body(prompt))) == reference
+
+
+def _post_status(url: str, payload: dict[str, Any], timeout_s: float) -> tuple[int, list[bytes]]:
+    """POST a completion; return (HTTP status, the body split in SSE events, or the whole body as one)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(payload), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        events = [e for e in raw.split(b"\n\n") if e] if payload.get("stream") else [raw]
+        return resp.status, events
+    finally:
+        conn.close()
+
+
+#: What vLLM 0.32 returns for a request finished with FinishReason.ERROR (GenerationError): no tokens.
+VLLM_GENERATION_ERROR = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+}
+
+
+def test_fail_policy_ends_request_with_error(cluster: Cluster) -> None:
+    """D with ``kv_load_failure_policy: fail``: a load that never arrives ends the request with vLLM's
+    generation error (HTTP 500, or a streamed error event then [DONE]) within the load timeout, never a hang
+    or tokens computed without the KV; D frees the blocks and keeps serving disaggregated requests.
+
+    D was killed by the previous test, so starting it with this policy costs no extra restart; it also
+    serves the next test (where every transfer must succeed, a failed load would now be an error)."""
+    cluster.ensure(prefix_caching=False, failure_policy="fail")
+    failures = metric(cluster.d_url, "vllm:pd_connector_failures_total")
+    # 1) A transfer P never runs: D's destinations wait out P's lease (or D's load timeout) and fail.
+    start = time.monotonic()
+    status, events = _post_status(
+        cluster.d_url,
+        body(tokens(300, seed=11000), kv_transfer_params=decode_params(uuid.uuid4().hex, cluster.bootstrap)),
+        timeout_s=D_LOAD_TIMEOUT_S + 20,
+    )
+    took = time.monotonic() - start
+    assert status == 500, events
+    assert json.loads(events[0]) == VLLM_GENERATION_ERROR
+    assert min(D_LOAD_TIMEOUT_S, LEASE_S) - 0.5 <= took <= D_LOAD_TIMEOUT_S + 20
+    # 2) Streamed, from a P address nobody listens on: the connect fails and the error comes at once.
+    start = time.monotonic()
+    status, events = _post_status(
+        cluster.d_url,
+        body(
+            tokens(200, seed=11001),
+            stream=True,
+            kv_transfer_params=decode_params(uuid.uuid4().hex, f"127.0.0.1:{free_port()}"),
+        ),
+        timeout_s=D_LOAD_TIMEOUT_S + 20,
+    )
+    assert status == 200, events
+    assert events[-1] == b"data: [DONE]", events
+    assert [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]] == [VLLM_GENERATION_ERROR], (
+        "an error event and no tokens"
+    )
+    assert time.monotonic() - start < D_LOAD_TIMEOUT_S, "a refused connection fails before the timeout"
+    wait_until(lambda: blocks_idle(cluster.d_url), 15, "D blocks freed after the failed loads")
+    prompt = tokens(300, seed=11002)
+    assert cluster.disaggregated(prompt) == cluster.reference(prompt), "D still serves with a healthy P"
+    wait_until(
+        lambda: metric(cluster.d_url, "vllm:pd_connector_failures_total") >= failures + 2,
+        10,
+        "both failures counted",
+    )
+
+
+def test_disaggregated_equals_colocated_without_decode_prefix_cache(cluster: Cluster) -> None:
+    """On the D the previous test started (policy fail): every load must succeed, none is recomputed."""
+    cluster.ensure(prefix_caching=False)
+    for n in PROMPT_LENGTHS:
+        prompt = tokens(n, seed=n)
+        assert cluster.disaggregated(prompt) == cluster.reference(prompt), f"{n} tokens"
