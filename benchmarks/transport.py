@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import mmap
 import os
@@ -138,8 +139,10 @@ def serve(kind: str, tls: str, huge: bool) -> None:
     closer()
 
 
-def _our_transport(kind: str, tls: str, huge: bool) -> Transport:
+def _our_transport(kind: str, tls: str, huge: bool, cma_segment_bytes: int | None = None) -> Transport:
     ucx = UcxConfig(tls=tls, options=UCX_TUNING, huge_pages=huge)
+    if cma_segment_bytes is not None:
+        ucx = dataclasses.replace(ucx, cma_segment_bytes=cma_segment_bytes)
     return create_transport(TransportConfig(kind=kind, ucx=ucx))  # type: ignore[arg-type]
 
 
@@ -268,10 +271,13 @@ class OursPath(Path):
     """Our transport: each message case is one ``write`` of 64 MiB / S unmergeable copies; KV is 32 layer
     writes in flight (as the connector pushes them), then wait for all."""
 
-    def __init__(self, memory: Memory, kind: str, tls: str, huge: bool) -> None:
+    def __init__(
+        self, memory: Memory, kind: str, tls: str, huge: bool, cma_segment_bytes: int | None = None
+    ) -> None:
         self.memory = memory  # registered, not owned, by the transport: keep it alive
         self.receiver = Receiver(kind, huge, tls)
-        self.sender = _our_transport(kind, tls, huge)
+        # puts are one-sided: only the sender's segment size matters (the receiver keeps the default)
+        self.sender = _our_transport(kind, tls, huge, cma_segment_bytes)
         self.sender.register(memory.regions())
         self.sender.attach("receiver", self.receiver.descriptor).result(30)
         self.copies = {str(i): message_copies(i) for i in range(len(SIZES))}
@@ -406,7 +412,10 @@ PATHS: dict[str, tuple[list[str], bool]] = {
     "tcp": (CASES, False),
     "raw_socket": (CASES[:-1], False),
     "nixl": (CASES, True),
+    # only on request (--paths): ucx_sm with UCX's own 512 KiB cma segments instead of ucx.cma_segment_bytes
+    "ucx_sm_512k": (CASES, False),
 }
+DEFAULT_PATHS = [name for name in PATHS if name != "ucx_sm_512k"]
 
 
 def make_path(name: str, huge: bool) -> Path:
@@ -415,6 +424,8 @@ def make_path(name: str, huge: bool) -> Path:
         return MemcpyPath(memory, huge)
     if name in UCX_TLS:
         return OursPath(memory, "ucx", UCX_TLS[name], huge)
+    if name == "ucx_sm_512k":
+        return OursPath(memory, "ucx", UCX_TLS["ucx_sm"], huge, cma_segment_bytes=0)
     if name == "tcp":
         return OursPath(memory, "tcp", "", huge)
     if name == "raw_socket":
@@ -494,8 +505,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--paths",
-        default=",".join(PATHS),
-        help="comma-separated subset of the data paths to measure (default: all), e.g. memcpy,ucx_sm",
+        default=",".join(DEFAULT_PATHS),
+        help=f"comma-separated data paths to measure, of {','.join(PATHS)} (default: all but ucx_sm_512k)",
     )
     parser.add_argument(
         "--no-huge-pages",
