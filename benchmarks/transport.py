@@ -8,7 +8,9 @@ The KV-shaped case moves one 4096-token prompt of a Llama-3-8B-like cache as a T
 256 blocks per region, 64 regions = 256 MiB), with source and destination block ids taken from fragmented
 free lists (runs of mean length 8, shuffled), layer by layer as a connector pushes them.
 
-Every figure is the median of ``--reps`` repetitions, all paths measured in the same run. Progress goes to
+Every figure is the median of ``--reps`` repetitions, all paths measured in the same run. ``--paths`` narrows
+a run to some paths (``ucx_sm_512k``, on request only, is ``ucx_sm`` with UCX's default cma segments);
+``--no-huge-pages`` puts every path, the memcpy ceiling included, on 4 KiB pages. Progress goes to
 stderr; the last stdout line is the JSON summary (see docs/performance.md ``## transport``).
 """
 
@@ -59,20 +61,29 @@ def log(msg: str) -> None:
 class Memory:
     """One 64 MiB message buffer (aliased by one region per size) and the KV pool (64 regions).
 
-    Every path, the memcpy ceiling included, gets the same kind of pages: anonymous mappings advised
-    ``MADV_HUGEPAGE`` (``huge=True``, what the UCX transport does to registered memory) or ``MADV_NOHUGEPAGE``
-    (``huge=False``: 4 KiB pages, as a torch-allocated KV cache has unless advised), set before first touch.
+    Every path, the memcpy ceiling included, gets the same kind of pages. ``huge=True``: numpy arrays, which
+    numpy itself advises ``MADV_HUGEPAGE`` (arrays of 4 MiB or more), so they are transparent huge pages
+    like the memory the UCX transport's ``huge_pages`` setting produces. ``huge=False``: anonymous mappings
+    advised ``MADV_NOHUGEPAGE`` before first touch, i.e. 4 KiB pages as a torch-allocated KV cache has them
+    unless advised (and the transport's ``huge_pages`` is switched off).
     """
 
     def __init__(self, fill: bool, huge: bool) -> None:
         rng = np.random.default_rng(1)
-        self.messages = _anonymous(MESSAGE_BYTES, huge)
-        self.kv = _anonymous(KV_REGIONS * POOL_BLOCKS * KV_BLOCK, huge).reshape(
-            KV_REGIONS, POOL_BLOCKS, KV_BLOCK
-        )
+        shape_kv = (KV_REGIONS, POOL_BLOCKS, KV_BLOCK)
+        if huge:
+            self.messages = (
+                rng.integers(0, 256, MESSAGE_BYTES, dtype=np.uint8)
+                if fill
+                else np.zeros(MESSAGE_BYTES, np.uint8)
+            )
+            self.kv = rng.integers(0, 256, shape_kv, dtype=np.uint8) if fill else np.zeros(shape_kv, np.uint8)
+            return
+        self.messages = _small_pages(MESSAGE_BYTES)
+        self.kv = _small_pages(KV_REGIONS * POOL_BLOCKS * KV_BLOCK).reshape(shape_kv)
         if fill:
             self.messages[:] = rng.integers(0, 256, self.messages.shape, dtype=np.uint8)
-            self.kv[:] = rng.integers(0, 256, self.kv.shape, dtype=np.uint8)
+            self.kv[:] = rng.integers(0, 256, shape_kv, dtype=np.uint8)
 
     def regions(self) -> list[MemoryRegion]:
         out = [
@@ -86,10 +97,10 @@ class Memory:
         return out
 
 
-def _anonymous(nbytes: int, huge: bool) -> np.ndarray:
-    """Zeroed, not yet touched memory with the page-size advice set (numpy would pick its own)."""
+def _small_pages(nbytes: int) -> np.ndarray:
+    """Zeroed, not yet touched memory that will get 4 KiB pages (numpy would advise huge pages)."""
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    area.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(area, dtype=np.uint8)
 
 

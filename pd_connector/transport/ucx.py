@@ -10,6 +10,9 @@ Why this shape:
 - One dedicated I/O thread owns the UCX worker (single-threaded worker, no locks in UCX). It sleeps in epoll
   on the worker's event fd plus an eventfd that engine threads poke after queueing work, so an idle transport
   costs nothing; while flushes are outstanding it progresses and re-arms.
+- On one host a put is a cma ``process_vm_writev``: ``register`` advises the regions to transparent huge pages
+  (``huge_pages``; 4 KiB pages halve cma throughput) and the context copies 8 MiB per call
+  (``cma_segment_bytes``, UCX's default 512 KiB costs ~10 % at 16 MiB messages).
 - A write that is not flushed within ``write_timeout_s`` (peer dead, link gone) fails its future with
   ``TimeoutError`` and the peer's endpoint is dropped: futures never hang. ``detach`` fails them at once.
 
