@@ -8,7 +8,9 @@ The KV-shaped case moves one 4096-token prompt of a Llama-3-8B-like cache as a T
 256 blocks per region, 64 regions = 256 MiB), with source and destination block ids taken from fragmented
 free lists (runs of mean length 8, shuffled), layer by layer as a connector pushes them.
 
-Every figure is the median of ``--reps`` repetitions, all paths measured in the same run. Progress goes to
+Every figure is the median of ``--reps`` repetitions, all paths measured in the same run. ``--paths`` narrows
+a run to some paths (``ucx_sm_512k``, on request only, is ``ucx_sm`` with UCX's default cma segments);
+``--no-huge-pages`` puts every path, the memcpy ceiling included, on 4 KiB pages. Progress goes to
 stderr; the last stdout line is the JSON summary (see docs/performance.md ``## transport``).
 """
 
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import mmap
 import os
 import statistics
 import struct
@@ -55,15 +59,31 @@ def log(msg: str) -> None:
 
 # -- memory layout shared by sender and receiver ---------------------------------------------------------------
 class Memory:
-    """One 64 MiB message buffer (aliased by one region per size) and the KV pool (64 regions)."""
+    """One 64 MiB message buffer (aliased by one region per size) and the KV pool (64 regions).
 
-    def __init__(self, fill: bool) -> None:
+    Every path, the memcpy ceiling included, gets the same kind of pages. ``huge=True``: numpy arrays, which
+    numpy itself advises ``MADV_HUGEPAGE`` (arrays of 4 MiB or more), so they are transparent huge pages
+    like the memory the UCX transport's ``huge_pages`` setting produces. ``huge=False``: anonymous mappings
+    advised ``MADV_NOHUGEPAGE`` before first touch, i.e. 4 KiB pages as a torch-allocated KV cache has them
+    unless advised (and the transport's ``huge_pages`` is switched off).
+    """
+
+    def __init__(self, fill: bool, huge: bool) -> None:
         rng = np.random.default_rng(1)
         shape_kv = (KV_REGIONS, POOL_BLOCKS, KV_BLOCK)
-        self.messages = (
-            rng.integers(0, 256, MESSAGE_BYTES, dtype=np.uint8) if fill else np.zeros(MESSAGE_BYTES, np.uint8)
-        )
-        self.kv = rng.integers(0, 256, shape_kv, dtype=np.uint8) if fill else np.zeros(shape_kv, np.uint8)
+        if huge:
+            self.messages = (
+                rng.integers(0, 256, MESSAGE_BYTES, dtype=np.uint8)
+                if fill
+                else np.zeros(MESSAGE_BYTES, np.uint8)
+            )
+            self.kv = rng.integers(0, 256, shape_kv, dtype=np.uint8) if fill else np.zeros(shape_kv, np.uint8)
+            return
+        self.messages = _small_pages(MESSAGE_BYTES)
+        self.kv = _small_pages(KV_REGIONS * POOL_BLOCKS * KV_BLOCK).reshape(shape_kv)
+        if fill:
+            self.messages[:] = rng.integers(0, 256, self.messages.shape, dtype=np.uint8)
+            self.kv[:] = rng.integers(0, 256, shape_kv, dtype=np.uint8)
 
     def regions(self) -> list[MemoryRegion]:
         out = [
@@ -75,6 +95,13 @@ class Memory:
             for r in range(KV_REGIONS)
         ]
         return out
+
+
+def _small_pages(nbytes: int) -> np.ndarray:
+    """Zeroed, not yet touched memory that will get 4 KiB pages (numpy would advise huge pages)."""
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(area, dtype=np.uint8)
 
 
 def fragmented_blocks(seed: int) -> list[int]:
@@ -105,16 +132,16 @@ def layer_copies(layer: int) -> list[BlockCopy]:
 
 
 # -- receiver process ------------------------------------------------------------------------------------------
-def serve(kind: str, tls: str) -> None:
+def serve(kind: str, tls: str, huge: bool) -> None:
     """Receiver: register the memory for ``kind``, print ``READY <hex>``, then wait for ``exit`` on stdin."""
-    memory = Memory(fill=False)
+    memory = Memory(fill=False, huge=huge)
     closer: Callable[[], None]
     if kind == "raw":
         descriptor, closer = _serve_raw(memory)
     elif kind == "nixl":
         descriptor, closer = _serve_nixl(memory)
     else:
-        transport = _our_transport(kind, tls)
+        transport = _our_transport(kind, tls, huge)
         descriptor, closer = transport.register(memory.regions()), transport.close
     print("READY", descriptor.hex(), flush=True)
     for line in sys.stdin:
@@ -123,8 +150,11 @@ def serve(kind: str, tls: str) -> None:
     closer()
 
 
-def _our_transport(kind: str, tls: str) -> Transport:
-    return create_transport(TransportConfig(kind=kind, ucx=UcxConfig(tls=tls, options=UCX_TUNING)))  # type: ignore[arg-type]
+def _our_transport(kind: str, tls: str, huge: bool, cma_segment_bytes: int | None = None) -> Transport:
+    ucx = UcxConfig(tls=tls, options=UCX_TUNING, huge_pages=huge)
+    if cma_segment_bytes is not None:
+        ucx = dataclasses.replace(ucx, cma_segment_bytes=cma_segment_bytes)
+    return create_transport(TransportConfig(kind=kind, ucx=ucx))  # type: ignore[arg-type]
 
 
 def _serve_raw(memory: Memory) -> tuple[bytes, Callable[[], None]]:
@@ -173,9 +203,9 @@ def _serve_nixl(memory: Memory) -> tuple[bytes, Callable[[], None]]:
 
 
 class Receiver:
-    def __init__(self, kind: str, tls: str = "") -> None:
+    def __init__(self, kind: str, huge: bool, tls: str = "") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.transport", "--serve", kind, "--tls", tls],
+            [sys.executable, "-m", "benchmarks.transport", "--serve", kind, "--tls", tls, *_huge_arg(huge)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -234,8 +264,8 @@ class Path:
 class MemcpyPath(Path):
     """The ceiling: the same block copies inside one process (numpy gather/scatter)."""
 
-    def __init__(self, memory: Memory) -> None:
-        self.memory, self.target = memory, Memory(fill=False)
+    def __init__(self, memory: Memory, huge: bool) -> None:
+        self.memory, self.target = memory, Memory(fill=False, huge=huge)
         self.kv_src, self.kv_dst = np.array(KV_SRC), np.array(KV_DST)
 
     def run(self, case: str) -> None:
@@ -252,10 +282,13 @@ class OursPath(Path):
     """Our transport: each message case is one ``write`` of 64 MiB / S unmergeable copies; KV is 32 layer
     writes in flight (as the connector pushes them), then wait for all."""
 
-    def __init__(self, memory: Memory, kind: str, tls: str) -> None:
+    def __init__(
+        self, memory: Memory, kind: str, tls: str, huge: bool, cma_segment_bytes: int | None = None
+    ) -> None:
         self.memory = memory  # registered, not owned, by the transport: keep it alive
-        self.receiver = Receiver(kind, tls)
-        self.sender = _our_transport(kind, tls)
+        self.receiver = Receiver(kind, huge, tls)
+        # puts are one-sided: only the sender's segment size matters (the receiver keeps the default)
+        self.sender = _our_transport(kind, tls, huge, cma_segment_bytes)
         self.sender.register(memory.regions())
         self.sender.attach("receiver", self.receiver.descriptor).result(30)
         self.copies = {str(i): message_copies(i) for i in range(len(SIZES))}
@@ -274,9 +307,9 @@ class OursPath(Path):
 class RawSocketPath(Path):
     """A plain asyncio-streams client: header, then each message with ``writer.write``, then wait for 1 byte."""
 
-    def __init__(self, memory: Memory) -> None:
+    def __init__(self, memory: Memory, huge: bool) -> None:
         self.memory = memory
-        self.receiver = Receiver("raw")
+        self.receiver = Receiver("raw", huge)
         (port,) = struct.unpack("!H", self.receiver.descriptor)
         self.view = memory.messages.data
         self.loop = asyncio.new_event_loop()
@@ -305,9 +338,9 @@ class NixlPath(Path):
     """NIXL's UCX backend with its defaults: per-block descriptors prepared once (as vLLM's NixlConnector does
     at start-up); per repetition ``make_prepped_xfer`` + ``transfer`` per message set / per layer, then poll."""
 
-    def __init__(self, memory: Memory) -> None:
+    def __init__(self, memory: Memory, huge: bool) -> None:
         self.memory = memory
-        self.receiver = Receiver("nixl")
+        self.receiver = Receiver("nixl", huge)
         self.agent = agent = _nixl_agent("sender")
         regs = [(memory.messages.ctypes.data, MESSAGE_BYTES, 0, "")]
         regs += [(int(memory.kv[r].ctypes.data), int(memory.kv[r].nbytes), 0, "") for r in range(KV_REGIONS)]
@@ -390,27 +423,36 @@ PATHS: dict[str, tuple[list[str], bool]] = {
     "tcp": (CASES, False),
     "raw_socket": (CASES[:-1], False),
     "nixl": (CASES, True),
+    # only on request (--paths): ucx_sm with UCX's own 512 KiB cma segments instead of ucx.cma_segment_bytes
+    "ucx_sm_512k": (CASES, False),
 }
+DEFAULT_PATHS = [name for name in PATHS if name != "ucx_sm_512k"]
 
 
-def make_path(name: str) -> Path:
-    memory = Memory(fill=True)
+def make_path(name: str, huge: bool) -> Path:
+    memory = Memory(fill=True, huge=huge)
     if name == "memcpy":
-        return MemcpyPath(memory)
+        return MemcpyPath(memory, huge)
     if name in UCX_TLS:
-        return OursPath(memory, "ucx", UCX_TLS[name])
+        return OursPath(memory, "ucx", UCX_TLS[name], huge)
+    if name == "ucx_sm_512k":
+        return OursPath(memory, "ucx", UCX_TLS["ucx_sm"], huge, cma_segment_bytes=0)
     if name == "tcp":
-        return OursPath(memory, "tcp", "")
+        return OursPath(memory, "tcp", "", huge)
     if name == "raw_socket":
-        return RawSocketPath(memory)
-    return NixlPath(memory)
+        return RawSocketPath(memory, huge)
+    return NixlPath(memory, huge)
 
 
-def drive(name: str) -> None:
+def _huge_arg(huge: bool) -> list[str]:
+    return [] if huge else ["--no-huge-pages"]
+
+
+def drive(name: str, huge: bool) -> None:
     """Sender process for one path: ``READY``, then per stdin line ``run CASE`` -> ``SECONDS t``,
     ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL bundles UCX 1.23,
     ucxx uses 1.21: they must not share a process)."""
-    path = make_path(name)
+    path = make_path(name, huge)
     try:
         for case in PATHS[name][0]:
             path.run(case)  # warm-up: connection set-up, registration caches, page faults
@@ -432,10 +474,10 @@ def drive(name: str) -> None:
 class Driver:
     """The orchestrator's handle on one sender process."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, huge: bool) -> None:
         self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.transport", "--drive", name],
+            [sys.executable, "-m", "benchmarks.transport", "--drive", name, *_huge_arg(huge)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
         )  # fmt: skip
         self._expect("READY")
@@ -472,17 +514,30 @@ def main() -> None:
     parser.add_argument(
         "--skip-nixl", action="store_true", help="when the bench extra (nixl) is not installed"
     )
+    parser.add_argument(
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        help=f"comma-separated data paths to measure, of {','.join(PATHS)} (default: all but ucx_sm_512k)",
+    )
+    parser.add_argument(
+        "--no-huge-pages",
+        action="store_true",
+        help="4 KiB pages everywhere (MADV_NOHUGEPAGE, transport huge_pages off) instead of THP-advised memory",
+    )
     parser.add_argument("--serve", choices=["ucx", "tcp", "raw", "nixl"], help=argparse.SUPPRESS)
     parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--drive", choices=list(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.tls)
+        serve(args.serve, args.tls, not args.no_huge_pages)
         return
     if args.drive:
-        drive(args.drive)
+        drive(args.drive, not args.no_huge_pages)
         return
-    names = [n for n in PATHS if not (args.skip_nixl and n == "nixl")]
+    wanted = args.paths.split(",")
+    if unknown := set(wanted) - PATHS.keys():
+        parser.error(f"unknown --paths {sorted(unknown)}; choose from {','.join(PATHS)}")
+    names = [n for n in PATHS if n in wanted and not (args.skip_nixl and n == "nixl")]
     log(
         f"kv-shaped: {LAYERS} layers x K,V x {PROMPT_BLOCKS} blocks x {KV_BLOCK >> 10} KiB = {KV_BYTES >> 20} MiB, "
         f"{len(layer_copies(0))} block copies per layer, {len(coalesce_runs(layer_copies(0)))} runs after coalescing"
@@ -495,7 +550,7 @@ def main() -> None:
     order = np.random.default_rng(0)
     for rep in range(args.reps):
         for name in order.permutation(names).tolist():
-            driver = Driver(name)
+            driver = Driver(name, not args.no_huge_pages)
             try:
                 for case in PATHS[name][0]:
                     seconds.setdefault((name, case), []).append(driver.ask(f"run {case}", "SECONDS"))
@@ -519,6 +574,7 @@ def main() -> None:
         "kv_shaped_gbps": kv_gbps,
         "idle_cpu_percent": {k: round(v, 2) for k, v in idle.items()},
         "reps": args.reps,
+        "huge_pages": not args.no_huge_pages,
         "kv_shape": {
             "layers": LAYERS,
             "regions": KV_REGIONS,
@@ -526,8 +582,7 @@ def main() -> None:
             "block_bytes": KV_BLOCK,
         },
     }
-    if "nixl" in gbps:
-        summary["ratios"] = ratios(gbps, kv_gbps, idle)
+    summary["ratios"] = ratios(gbps, kv_gbps, idle)
     for name in names:
         log(
             f"{name:>10}: "
@@ -540,19 +595,24 @@ def main() -> None:
 def ratios(
     gbps: dict[str, list[float]], kv: dict[str, float], idle: dict[str, float]
 ) -> dict[str, float | bool]:
-    """The issue's targets as ratios of figures from this run."""
+    """The issue's targets as ratios of figures from this run (those whose paths were measured)."""
     i64, i1m, i16m = SIZES.index(64 << 10), SIZES.index(1 << 20), SIZES.index(16 << 20)
-    sm, nixl = gbps["ucx_sm"], gbps["nixl"]
-    tcp_vs_raw = min(t / r for t, r in zip(gbps["tcp"], gbps["raw_socket"], strict=True))
-    return {
-        "ucx_sm_vs_memcpy_16MiB": round(sm[i16m] / gbps["memcpy"][i16m], 3),
-        "ucx_sm_vs_nixl_16MiB": round(sm[i16m] / nixl[i16m], 3),
-        "ucx_sm_vs_nixl_64KiB": round(sm[i64] / nixl[i64], 3),
-        "ucx_sm_vs_nixl_1MiB": round(sm[i1m] / nixl[i1m], 3),
-        "kv_ucx_sm_vs_nixl": round(kv["ucx_sm"] / kv["nixl"], 3),
-        "tcp_vs_raw_socket_min": round(tcp_vs_raw, 3),
-        "idle_ours_le_2pct": idle.get("ours", 100.0) <= 2.0,
-    }
+    out: dict[str, float | bool] = {}
+    if "ucx_sm" in gbps and "memcpy" in gbps:
+        out["ucx_sm_vs_memcpy_16MiB"] = round(gbps["ucx_sm"][i16m] / gbps["memcpy"][i16m], 3)
+        out["ucx_sm_vs_memcpy_1MiB"] = round(gbps["ucx_sm"][i1m] / gbps["memcpy"][i1m], 3)
+    if "ucx_sm" in gbps and "nixl" in gbps:
+        sm, nixl = gbps["ucx_sm"], gbps["nixl"]
+        out["ucx_sm_vs_nixl_16MiB"] = round(sm[i16m] / nixl[i16m], 3)
+        out["ucx_sm_vs_nixl_64KiB"] = round(sm[i64] / nixl[i64], 3)
+        out["ucx_sm_vs_nixl_1MiB"] = round(sm[i1m] / nixl[i1m], 3)
+        out["kv_ucx_sm_vs_nixl"] = round(kv["ucx_sm"] / kv["nixl"], 3)
+    if "tcp" in gbps and "raw_socket" in gbps:
+        tcp_vs_raw = min(t / r for t, r in zip(gbps["tcp"], gbps["raw_socket"], strict=True))
+        out["tcp_vs_raw_socket_min"] = round(tcp_vs_raw, 3)
+    if "ours" in idle:
+        out["idle_ours_le_2pct"] = idle["ours"] <= 2.0
+    return out
 
 
 if __name__ == "__main__":
