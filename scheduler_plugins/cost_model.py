@@ -7,11 +7,17 @@ on and slow drifts (other tenants, longer contexts) without storing history.
 
 It starts from a deliberately pessimistic prior (a slow CPU: ~2 ms per prefill token), so the first chunks
 are small and safe; the prior is held with low confidence, and the first measured chunk steps replace it.
+``prior_variance`` is relative to the error variance RLS assumes for one measurement, so it must be large:
+with 1 the prior weighed like hundreds of steps, and since every chunk of a long prompt has nearly the same
+shape, the per-token cost stayed near the pessimistic 2 ms for several prompts (32-token chunks where 48
+fitted the target).
 Features that never vary (e.g. no prefill yet) keep their prior. Coefficients are projected onto
 non-negative values after each update (each term is a cost). Two guards keep one bad sample from
 wrecking the fit on a shared machine: the innovation is clipped to a few times its running mean absolute
-value (a step stalled by another process counts as a bounded error), and the covariance is not inflated by
-forgetting beyond its initial size (no wind-up while the workload only decodes).
+value when the step was slower than predicted (a step stalled by another process counts as a bounded error;
+a faster one is never a stall, so it is taken whole and the pessimistic prior is left quickly), and the
+covariance is not inflated by forgetting beyond its initial size (no wind-up while the workload only
+decodes).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class CostModel:
         prior_s: tuple[float, float, float, float] = DEFAULT_PRIOR_S,
         *,
         forgetting: float = 0.98,
-        prior_variance: float = 1.0,
+        prior_variance: float = 100.0,
         outlier_factor: float = 4.0,
     ) -> None:
         if not 0 < forgetting <= 1:
@@ -90,7 +96,9 @@ class CostModel:
         x = shape.features()
         err = seconds - float(self._theta @ x)
         clip = self._outlier_factor * self._mean_abs_err
-        clipped = float(np.clip(err, -clip, clip))
+        # Only slow steps can be stalls (another process had the CPU); a step faster than predicted is
+        # information, taken whole: clipping it kept the fit near its pessimistic prior for hundreds of steps.
+        clipped = min(err, clip)
         self._mean_abs_err = 0.9 * self._mean_abs_err + 0.1 * min(abs(err), 2 * clip)
         px = self._p @ x
         gain = px / (self._forgetting + float(x @ px))
