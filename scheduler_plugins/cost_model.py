@@ -2,22 +2,27 @@
 
 Called in the engine's scheduler process: ``predict`` while choosing a step's token budget, ``observe`` after
 the step ran, with the time measured between handing the batch to the workers and getting its output back.
-Fitting is recursive least squares (RLS) with a forgetting factor, so the model follows the hardware it runs
-on and slow drifts (other tenants, longer contexts) without storing history.
+
+The fit is a least-squares solve over recent steps, redone after every step (four coefficients: the normal
+equations are a 4x4 system, microseconds), not a recursive filter. Why: the first version was recursive
+least squares, and it failed both ways on real runs. With a confident prior it stayed near the prior's
+pessimistic per-token cost for several long prompts, because every chunk of a prompt has nearly the same
+shape (32-token chunks where 48 fitted). With a weak prior, a start-up stall followed by large corrections
+made it diverge to absurd values (chunks stuck at the floor). A solve over a window has no state to wind
+up or diverge. It is kept robust and physical by three rules:
+
+- two windows: the last ``prefill_window`` steps that carried a prefill chunk and the last
+  ``decode_window`` that did not, so a long decode-only phase cannot push the prefill cost out of memory;
+- coefficients are non-negative (every term is a cost, so more work never predicts less time): the
+  constrained solve enumerates which coefficients are free (16 small systems) and keeps the best feasible
+  one;
+- a weak ridge pull toward the prior keeps coefficients the data does not determine (e.g. the prefill cost
+  before any chunk ran) at the prior; and after a first solve, steps whose residual exceeds
+  ``outlier_factor`` times the median absolute residual (a step stalled by another process) are dropped
+  and the system is solved again.
 
 It starts from a deliberately pessimistic prior (a slow CPU: ~2 ms per prefill token), so the first chunks
-are small and safe; the prior is held with low confidence, and the first measured chunk steps replace it.
-``prior_variance`` is relative to the error variance RLS assumes for one measurement, so it must be large:
-with 1 the prior weighed like hundreds of steps, and since every chunk of a long prompt has nearly the same
-shape, the per-token cost stayed near the pessimistic 2 ms for several prompts (32-token chunks where 48
-fitted the target).
-Features that never vary (e.g. no prefill yet) keep their prior. Coefficients are projected onto
-non-negative values after each update (each term is a cost). Two guards keep one bad sample from
-wrecking the fit on a shared machine: the innovation is clipped to a few times its running mean absolute
-value when the step was slower than predicted (a step stalled by another process counts as a bounded error;
-a faster one is never a stall, so it is taken whole and the pessimistic prior is left quickly), and the
-covariance is not inflated by forgetting beyond its initial size (no wind-up while the workload only
-decodes).
+are small and safe; the first measured chunk steps replace it.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-# Feature scales: coefficients are fitted per scaled unit so the RLS covariance is well conditioned.
+# Feature scales: coefficients are fitted per scaled unit so the normal equations are well conditioned.
 _SCALE = np.array([1.0, 256.0, 16.0, 256.0 * 1024.0])
 # Prior in seconds: 20 ms fixed, 2 ms per prefill token, 1 ms per decode, 10 ns per attended token pair.
 DEFAULT_PRIOR_S = (0.020, 2e-3, 1e-3, 1e-8)
+_TRIM_PASSES = 3  # outlier-trimming solves per observation, at most
+_MIN_RESIDUAL_S = 1e-4  # floor of the residual scale: exact data must not trim everything but perfect fits
 
 
 @dataclass(frozen=True)
@@ -62,20 +69,20 @@ class CostModel:
         self,
         prior_s: tuple[float, float, float, float] = DEFAULT_PRIOR_S,
         *,
-        forgetting: float = 0.98,
-        prior_variance: float = 100.0,
+        prefill_window: int = 128,
+        decode_window: int = 64,
+        prior_weight: float = 1e-4,
         outlier_factor: float = 4.0,
     ) -> None:
-        if not 0 < forgetting <= 1:
-            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         if min(prior_s) < 0:
             raise ValueError(f"prior coefficients are times and cannot be negative, got {prior_s}")
-        self._theta = np.array(prior_s, dtype=np.float64) * _SCALE
-        self._p0 = np.eye(4) * prior_variance
-        self._p = self._p0.copy()
-        self._forgetting = forgetting
+        if prefill_window < 4 or decode_window < 4:
+            raise ValueError(f"windows must hold at least 4 steps, got {prefill_window}, {decode_window}")
+        self._prior = np.array(prior_s, dtype=np.float64) * _SCALE
+        self._theta = self._prior.copy()
+        self._windows = (_Window(prefill_window), _Window(decode_window))
+        self._prior_weight = prior_weight
         self._outlier_factor = outlier_factor
-        self._mean_abs_err = 0.01  # seconds; running mean |innovation|, seeds the outlier clip
         self.observations = 0
 
     @property
@@ -85,27 +92,69 @@ class CostModel:
         return a, b, c, d
 
     def predict(self, shape: StepShape) -> float:
-        """Predicted seconds for ``shape``; coefficients are kept non-negative, so more work never predicts
-        less time (the budget search relies on that)."""
+        """Predicted seconds for ``shape``; coefficients are non-negative, so more work never predicts less
+        time (the budget search relies on that)."""
         return float(self._theta @ shape.features())
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Update the fit with one measured step (RLS with forgetting, clipped innovation)."""
+        """Add one measured step and refit (invalid measurements are ignored)."""
         if not np.isfinite(seconds) or seconds <= 0:
             return
-        x = shape.features()
-        err = seconds - float(self._theta @ x)
-        clip = self._outlier_factor * self._mean_abs_err
-        # Only slow steps can be stalls (another process had the CPU); a step faster than predicted is
-        # information, taken whole: clipping it kept the fit near its pessimistic prior for hundreds of steps.
-        clipped = min(err, clip)
-        self._mean_abs_err = 0.9 * self._mean_abs_err + 0.1 * min(abs(err), 2 * clip)
-        px = self._p @ x
-        gain = px / (self._forgetting + float(x @ px))
-        # Projected RLS: every term is a cost, so a noisy fit must not trade a negative intercept for an
-        # inflated per-token cost (that would make chunks far too small, or too large, at other shapes).
-        self._theta = np.maximum(self._theta + gain * clipped, 0.0)
-        p = (self._p - np.outer(gain, px)) / self._forgetting
-        # No wind-up: directions the workload does not excite must not grow without bound.
-        self._p = p if np.trace(p) <= np.trace(self._p0) else p * (np.trace(self._p0) / np.trace(p))
+        self._windows[0 if shape.prefill_tokens else 1].add(shape.features(), seconds)
+        x = np.concatenate([w.x for w in self._windows])
+        y = np.concatenate([w.y for w in self._windows])
+        keep = np.ones(len(y), dtype=bool)
+        for _ in range(_TRIM_PASSES):  # a few passes: huge stalls also inflate the first pass's median
+            theta = self._solve(x[keep], y[keep])
+            residual = np.abs(y - x @ theta)
+            scale = max(float(np.median(residual[keep])), _MIN_RESIDUAL_S)
+            trimmed = residual <= self._outlier_factor * scale
+            if (trimmed == keep).all():
+                break
+            keep = trimmed
+        self._theta = theta
         self.observations += 1
+
+    def _solve(self, x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """argmin |y - x theta|^2 + w |theta - prior|^2 over theta >= 0 (w: ``prior_weight``)."""
+        w = self._prior_weight
+        gram = x.T @ x + w * np.eye(4)
+        rhs = x.T @ y + w * self._prior
+        theta = np.linalg.solve(gram, rhs)
+        if theta.min() >= 0:  # the usual case: the unconstrained optimum is feasible
+            return theta
+        best, best_cost = np.zeros(4), np.inf
+        for mask in range(
+            1, 15
+        ):  # mask 15 (all free) was just tried  # which coefficients are free; the others sit at the bound 0
+            free = np.array([bool(mask >> i & 1) for i in range(4)])
+            theta = np.zeros(4)
+            theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
+            if theta.min() < 0:
+                continue
+            cost = float(theta @ gram @ theta - 2 * rhs @ theta)
+            if cost < best_cost:
+                best, best_cost = theta, cost
+        return best
+
+
+class _Window:
+    """The last ``size`` (features, seconds) samples of one kind of step, oldest overwritten first."""
+
+    def __init__(self, size: int) -> None:
+        self._x = np.zeros((size, 4))
+        self._y = np.zeros(size)
+        self._count = 0
+
+    def add(self, features: npt.NDArray[np.float64], seconds: float) -> None:
+        slot = self._count % len(self._y)
+        self._x[slot], self._y[slot] = features, seconds
+        self._count += 1
+
+    @property
+    def x(self) -> npt.NDArray[np.float64]:
+        return self._x[: min(self._count, len(self._y))]
+
+    @property
+    def y(self) -> npt.NDArray[np.float64]:
+        return self._y[: min(self._count, len(self._y))]

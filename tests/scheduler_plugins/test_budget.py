@@ -114,12 +114,12 @@ def test_long_prompt_completes_under_constant_decode_overload() -> None:
 @pytest.mark.parametrize("stall_rate", [0.0, 0.1])
 def test_closed_loop_learns_the_law_within_one_long_prompt(stall_rate: float) -> None:
     """The chunks the budget picks are the only prefill shapes the model sees (nearly one size), yet after
-    the decode steps and one 2000-token prompt it must fill the step: the next prompt needs at most 1.1x the
+    the decode steps and one 2000-token prompt it must fill the step: the next prompt needs at most 1.15x the
     steps the true law allows, and no step's true time exceeds the limit by more than the noise, also when
     ``stall_rate`` of the steps are stalled to 3x by another process.
 
-    (With a tight prior the fit stayed near its pessimistic prior for several prompts: 32-token chunks where
-    48 fitted, i.e. a third longer TTFT, in the scheduler benchmark.)"""
+    (A recursive fit with a confident prior stayed near its pessimistic prior for several prompts: 32-token
+    chunks where 48 fitted, i.e. a third longer TTFT, in the scheduler benchmark.)"""
     law = np.array([0.020, 1.1e-3, 0.5e-3, 1.0e-7])
     rng = np.random.default_rng(0)
     model, limit = CostModel(), 0.085
@@ -144,8 +144,8 @@ def test_closed_loop_learns_the_law_within_one_long_prompt(stall_rate: float) ->
     prompt(model)
     steps, worst = prompt(model)
     ideal, _ = prompt(_ExactModel(law))
-    # Stalls make the fit a little cautious (clipped, but still slower steps): 1.2x; the tight prior took 1.5x.
-    assert steps <= (1.2 if stall_rate else 1.1) * ideal, (steps, ideal)
+    # The noise is biased slow (+1.5 % on average), so the fit is a little cautious; RLS took 1.5x.
+    assert steps <= 1.15 * ideal, (steps, ideal)
     assert worst <= limit * 1.08
 
 

@@ -63,7 +63,7 @@ def test_rare_stalls_do_not_wreck_the_fit() -> None:
 
 
 def test_decode_only_phase_keeps_prefill_knowledge() -> None:
-    """Long decode-only phases must not wind up the covariance or forget the prefill coefficient."""
+    """Long decode-only phases must not push the prefill cost out of the model (separate windows)."""
     rng = np.random.default_rng(2)
     model = CostModel()
     for _ in range(300):
@@ -73,7 +73,6 @@ def test_decode_only_phase_keeps_prefill_knowledge() -> None:
         shape = StepShape(prefill_tokens=0, decodes=4, attended_context=2000.0)
         model.observe(shape, _true_time(shape))
     assert model.coefficients_s[1] == pytest.approx(b_before, rel=0.15)
-    assert np.trace(model._p) <= np.trace(model._p0) + 1e-9
 
 
 def test_follows_a_slowdown() -> None:
@@ -110,3 +109,16 @@ def test_coefficients_stay_non_negative_so_more_work_never_predicts_less() -> No
     small = StepShape(prefill_tokens=32, decodes=1, attended_context=100.0)
     big = StepShape(prefill_tokens=320, decodes=1, attended_context=1000.0)
     assert model.predict(big) >= model.predict(small)
+
+
+def test_start_up_stalls_do_not_make_the_fit_diverge() -> None:
+    """Seen on vLLM: the first steps (warm-up, compilation) take seconds, then a normal workload follows. The
+    recursive fit this replaced ended with coefficients of hours; the windowed solve trims those steps."""
+    rng = np.random.default_rng(4)
+    model = CostModel()
+    for seconds in (8.0, 3.5, 12.0, 0.9, 5.0):
+        model.observe(_random_shape(rng), seconds)
+    for _ in range(100):
+        model.observe(shape := _random_shape(rng), _true_time(shape) * float(rng.uniform(0.97, 1.05)))
+    probe = StepShape(prefill_tokens=64, decodes=4, attended_context=4 * 500 + attended_pairs(64, 500))
+    assert model.predict(probe) == pytest.approx(_true_time(probe), rel=0.1)
