@@ -112,7 +112,7 @@ class _Peer:
     remote: dict[int, RegionInfo]
 
 
-class _Iovecs:
+class Iovecs:
     """Matching local and remote ``struct iovec`` arrays (uint64 pairs: base, length) for one write."""
 
     def __init__(self, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64]) -> None:
@@ -130,6 +130,7 @@ class _Iovecs:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
+    """The C library with the prototypes we call (``use_errno``: errno is read right after each call)."""
     libc = ctypes.CDLL(None, use_errno=True)
     for name in ("process_vm_writev", "process_vm_readv"):
         fn = getattr(libc, name)
@@ -147,7 +148,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _vm_call(write: bool, pid: int, iovecs: _Iovecs, start: int, stop: int) -> int:
+def vm_call(write: bool, pid: int, iovecs: Iovecs, start: int, stop: int) -> int:
     """One ``process_vm_writev``/``readv`` over pieces ``[start, stop)``; returns bytes moved or ``-errno``."""
     fn = _libc().process_vm_writev if write else _libc().process_vm_readv
     offset = start * iovecs.local.itemsize * 2
@@ -163,7 +164,7 @@ def _vm_call(write: bool, pid: int, iovecs: _Iovecs, start: int, stop: int) -> i
 
 def build_iovecs(
     spans: npt.NDArray[np.int64], local_base: dict[int, int], remote_base: dict[int, int], segment_bytes: int
-) -> _Iovecs:
+) -> Iovecs:
     """Byte spans ``(region, src_off, dst_off, nbytes)`` -> absolute iovecs, runs cut into ``segment_bytes``."""
     regions = spans[:, REGION]
     lbase = np.array([local_base[r] for r in regions.tolist()], dtype=np.int64)
@@ -178,7 +179,7 @@ def build_iovecs(
     local[:, 0] = lbase[span_of] + spans[span_of, SRC] + offset
     remote[:, 0] = rbase[span_of] + spans[span_of, DST] + offset
     local[:, 1] = remote[:, 1] = length
-    return _Iovecs(local, remote)
+    return Iovecs(local, remote)
 
 
 def call_bounds(lengths: npt.NDArray[np.uint64], segment_bytes: int) -> list[tuple[int, int]]:
@@ -339,6 +340,9 @@ class CmaTransport(Transport):
         log.info("cma transport: attached %s (pid %d, %d regions)", peer_id, desc.pid, len(desc.regions))
 
     def _write(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+        if self._closing:  # queued before close(): fail fast instead of copying into a peer nobody waits for
+            fail(future, CmaError(f"cma transport closed before the write to {peer_id} ran"))
+            return
         peer = self._peers.get(peer_id)
         if peer is None:
             fail(
@@ -362,13 +366,13 @@ class CmaTransport(Transport):
                 return
         future.set_result(nbytes)
 
-    def _copy(self, peer_id: str, peer: _Peer, iovecs: _Iovecs) -> CmaError | None:
+    def _copy(self, peer_id: str, peer: _Peer, iovecs: Iovecs) -> CmaError | None:
         """Write every piece, call by call, continuing after partial writes; the error that stopped it."""
         for start, stop in call_bounds(iovecs.local[:, 1], self.config.segment_bytes):
             while start < stop:
                 if select.select([peer.pidfd], [], [], 0)[0]:  # readable pidfd: the peer exited
                     return CmaError(f"cma transport: peer {peer_id} (pid {peer.pid}) exited")
-                done = _vm_call(True, peer.pid, iovecs, start, stop)
+                done = vm_call(True, peer.pid, iovecs, start, stop)
                 if done <= 0:
                     return _error(peer_id, peer.pid, -done if done else errno.EFAULT)
                 lengths = iovecs.local[start:stop, 1].astype(np.int64)
@@ -436,12 +440,12 @@ def probe(peer_id: str, desc: CmaDescriptor) -> None:
     """Read the receiver's token back and rewrite it: proves the pid is the registering process and that the
     kernel lets us write into it (``CmaError`` saying what to configure otherwise)."""
     buffer = ctypes.create_string_buffer(PROBE_BYTES)
-    iov = _Iovecs(
+    iov = Iovecs(
         np.array([[ctypes.addressof(buffer), PROBE_BYTES]], dtype=np.uint64),
         np.array([[desc.probe_address, PROBE_BYTES]], dtype=np.uint64),
     )
     for write in (False, True):
-        done = _vm_call(write, desc.pid, iov, 0, 1)
+        done = vm_call(write, desc.pid, iov, 0, 1)
         if done < 0:
             raise _error(peer_id, desc.pid, -done)
         if done != PROBE_BYTES or (not write and buffer.raw != desc.token):

@@ -164,23 +164,23 @@ def test_partial_writes_are_continued(
 ) -> None:
     """The kernel may move fewer bytes than asked: here every real syscall moves only half of its first
     piece, so a write takes hundreds of calls, and still every byte lands in the right place."""
-    real = cma._vm_call
+    real = cma.vm_call
     calls = 0
 
-    def half_of_first_piece(write: bool, pid: int, iovecs: cma._Iovecs, start: int, stop: int) -> int:
+    def half_of_first_piece(write: bool, pid: int, iovecs: cma.Iovecs, start: int, stop: int) -> int:
         nonlocal calls
         calls += 1
         first = iovecs.local[start : start + 1].copy(), iovecs.remote[start : start + 1].copy()
         for iov in first:
             iov[0, 1] = max(int(iov[0, 1]) // 2, 1)
-        return real(write, pid, cma._Iovecs(*first), 0, 1)
+        return real(write, pid, cma.Iovecs(*first), 0, 1)
 
     blocks, block_bytes = 16, 4096
     peer = peer_factory("cma", "", 2, blocks, block_bytes)
     src, regions = local_regions(2, blocks, block_bytes, seed=4)
     sender.register(regions)
     sender.attach("p", peer.descriptor).result(10)
-    monkeypatch.setattr(cma, "_vm_call", half_of_first_piece)
+    monkeypatch.setattr(cma, "vm_call", half_of_first_piece)
     copies = [BlockCopy(0, 0, 0, blocks)] + [BlockCopy(1, s, blocks - 1 - s) for s in range(blocks)]
     assert sender.write("p", copies).result(30) == 2 * blocks * block_bytes
     assert calls > 2 * blocks
@@ -248,3 +248,28 @@ def test_peer_killed_while_a_large_write_is_in_flight_fails_it_and_the_sender_li
     finally:
         sender.close()
     assert sender.attached_peers() == [] and sender.registered_regions() == []
+
+
+def test_close_with_writes_queued_fails_them_fast_and_releases_everything(
+    peer_factory: type[PeerProcess],
+) -> None:
+    blocks, block_bytes = 64, 1 << 20
+    sender = CmaTransport(CmaConfig(segment_bytes=1 << 20))
+    peer = peer_factory("cma", "", 2, blocks, block_bytes)
+    _, regions = local_regions(2, blocks, block_bytes, seed=8)
+    sender.register(regions)
+    sender.attach("p", peer.descriptor).result(10)
+    whole = [BlockCopy(r, 0, 0, blocks) for r in range(2)]
+    futures = [sender.write("p", whole) for _ in range(32)]  # 4 GiB queued
+    futures[0].result(30)
+    started = time.monotonic()
+    sender.close()
+    assert time.monotonic() - started < 5
+    _, not_done = wait(futures, timeout=5)
+    assert not not_done
+    closed = [f.exception() for f in futures if f.exception() is not None]
+    assert closed and all(isinstance(e, CmaError) and "closed" in str(e) for e in closed)
+    assert sender.attached_peers() == [] and sender.registered_regions() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        sender.write("p", whole).result(5)
+    sender.close()  # idempotent
