@@ -38,7 +38,7 @@ import select
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -110,6 +110,11 @@ class _Peer:
     pid: int
     pidfd: int
     remote: dict[int, RegionInfo]
+    #: Polls ``pidfd`` (readable once the peer exited); ``poll``, not ``select``: fds may exceed FD_SETSIZE.
+    exited: select.poll = field(default_factory=select.poll)
+
+    def __post_init__(self) -> None:
+        self.exited.register(self.pidfd, select.POLLIN)
 
 
 class Iovecs:
@@ -264,8 +269,16 @@ class CmaTransport(Transport):
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                self._write(peer_id, copies, future)
+            except Exception as exc:  # a bug must fail the write, not strand its future
+                log.exception("cma transport: write to %s failed", peer_id)
+                fail(future, exc)
+
         try:
-            self._submit(lambda: self._write(peer_id, copies, future))
+            self._submit(run)
         except RuntimeError as exc:
             future.set_exception(exc)
         return future
@@ -370,7 +383,7 @@ class CmaTransport(Transport):
         """Write every piece, call by call, continuing after partial writes; the error that stopped it."""
         for start, stop in call_bounds(iovecs.local[:, 1], self.config.segment_bytes):
             while start < stop:
-                if select.select([peer.pidfd], [], [], 0)[0]:  # readable pidfd: the peer exited
+                if peer.exited.poll(0):
                     return CmaError(f"cma transport: peer {peer_id} (pid {peer.pid}) exited")
                 done = vm_call(True, peer.pid, iovecs, start, stop)
                 if done <= 0:
