@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .base import Transport
-from .cma import CmaConfig
+from .cma import CmaConfig, CmaTransport
 from .tcp import TcpConfig, TcpTransport
 from .ucx import UcxConfig
 
@@ -67,7 +67,5 @@ def create_transport(config: TransportConfig | None = None) -> Transport:
 
         return UcxTransport(config.ucx)
     if kind == "cma":
-        from .cma import CmaTransport
-
         return CmaTransport(config.cma)
     return TcpTransport(config.tcp)
