@@ -1,4 +1,5 @@
-"""Data-plane throughput and idle cost: our transports vs memcpy, a raw asyncio socket and NIXL (UCX backend).
+"""Data-plane throughput and idle cost: our transports (UCX sm/tcp, cma, TCP) vs memcpy, a raw asyncio socket
+and NIXL (UCX backend).
 
 Two processes on loopback: this one sends, a receiver started per data path (``--serve``) owns the target
 memory. For each message size S (4 KiB .. 16 MiB) one repetition moves 64 MiB as 64 MiB / S separate
@@ -32,6 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
+from pd_connector.transport.cma import CmaConfig
 from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.ucx import UcxConfig
@@ -154,7 +156,8 @@ def _our_transport(kind: str, tls: str, huge: bool, cma_segment_bytes: int | Non
     ucx = UcxConfig(tls=tls, options=UCX_TUNING, huge_pages=huge)
     if cma_segment_bytes is not None:
         ucx = dataclasses.replace(ucx, cma_segment_bytes=cma_segment_bytes)
-    return create_transport(TransportConfig(kind=kind, ucx=ucx))  # type: ignore[arg-type]
+    cma = CmaConfig(huge_pages=huge)
+    return create_transport(TransportConfig(kind=kind, ucx=ucx, cma=cma))  # type: ignore[arg-type]
 
 
 def _serve_raw(memory: Memory) -> tuple[bytes, Callable[[], None]]:
@@ -419,6 +422,7 @@ def _blocks(base: int, size: int, count: int) -> np.ndarray:
 PATHS: dict[str, tuple[list[str], bool]] = {
     "memcpy": (CASES, False),
     "ucx_sm": (CASES, True),
+    "cma": (CASES, True),
     "ucx_tcp": (CASES, False),
     "tcp": (CASES, False),
     "raw_socket": (CASES[:-1], False),
@@ -437,8 +441,8 @@ def make_path(name: str, huge: bool) -> Path:
         return OursPath(memory, "ucx", UCX_TLS[name], huge)
     if name == "ucx_sm_512k":
         return OursPath(memory, "ucx", UCX_TLS["ucx_sm"], huge, cma_segment_bytes=0)
-    if name == "tcp":
-        return OursPath(memory, "tcp", "", huge)
+    if name in ("tcp", "cma"):
+        return OursPath(memory, name, "", huge)
     if name == "raw_socket":
         return RawSocketPath(memory, huge)
     return NixlPath(memory, huge)
@@ -524,7 +528,7 @@ def main() -> None:
         action="store_true",
         help="4 KiB pages everywhere (MADV_NOHUGEPAGE, transport huge_pages off) instead of THP-advised memory",
     )
-    parser.add_argument("--serve", choices=["ucx", "tcp", "raw", "nixl"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["ucx", "tcp", "cma", "raw", "nixl"], help=argparse.SUPPRESS)
     parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--drive", choices=list(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -601,6 +605,12 @@ def ratios(
     if "ucx_sm" in gbps and "memcpy" in gbps:
         out["ucx_sm_vs_memcpy_16MiB"] = round(gbps["ucx_sm"][i16m] / gbps["memcpy"][i16m], 3)
         out["ucx_sm_vs_memcpy_1MiB"] = round(gbps["ucx_sm"][i1m] / gbps["memcpy"][i1m], 3)
+    if "cma" in gbps and "memcpy" in gbps:
+        out["cma_vs_memcpy_16MiB"] = round(gbps["cma"][i16m] / gbps["memcpy"][i16m], 3)
+        out["cma_vs_memcpy_1MiB"] = round(gbps["cma"][i1m] / gbps["memcpy"][i1m], 3)
+        out["kv_cma_vs_memcpy"] = round(kv["cma"] / kv["memcpy"], 3)
+    if "cma" in gbps and "ucx_sm" in gbps:
+        out["cma_vs_ucx_sm_16MiB"] = round(gbps["cma"][i16m] / gbps["ucx_sm"][i16m], 3)
     if "ucx_sm" in gbps and "nixl" in gbps:
         sm, nixl = gbps["ucx_sm"], gbps["nixl"]
         out["ucx_sm_vs_nixl_16MiB"] = round(sm[i16m] / nixl[i16m], 3)
@@ -612,6 +622,8 @@ def ratios(
         out["tcp_vs_raw_socket_min"] = round(tcp_vs_raw, 3)
     if "ours" in idle:
         out["idle_ours_le_2pct"] = idle["ours"] <= 2.0
+    if "cma" in idle:
+        out["idle_cma_le_2pct"] = idle["cma"] <= 2.0
     return out
 
 

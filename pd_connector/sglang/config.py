@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SGLangBackendConfig:
-    """``transport``: ``tcp`` (default), ``ucx`` or ``auto``. ``lease_s``: how long P keeps a request's
+    """``transport``: ``tcp`` (default), ``ucx``, ``cma`` (P and D on one host) or ``auto``. ``lease_s``: how long P keeps a request's
     pages for a decode side that has not asked for them, or that stopped acknowledging. Heartbeats on the
     control connection detect a dead peer within ``heartbeat_timeout_s``. ``secret``: shared HMAC key for the
     control plane (unset: no authentication). ``connect_timeout_s``: D's connect + handshake with P.
@@ -49,8 +49,8 @@ class SGLangBackendConfig:
             return value
 
         transport = env.get("PD_SGLANG_TRANSPORT", defaults.transport) or defaults.transport
-        if transport not in ("tcp", "ucx", "auto"):
-            raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx or auto")
+        if transport not in ("tcp", "ucx", "cma", "auto"):
+            raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx, cma or auto")
         secret = env.get("PD_SGLANG_SECRET")
         drop = env.get("PD_SGLANG_FAULT_DROP_KV_ROOMS", "")
         try:

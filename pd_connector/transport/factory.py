@@ -1,8 +1,10 @@
-"""Pick and build the data plane from configuration: ``"ucx"``, ``"tcp"`` or ``"auto"``.
+"""Pick and build the data plane from configuration: ``"ucx"``, ``"tcp"``, ``"cma"`` or ``"auto"``.
 
 Called once per engine worker process by the connector at start-up. ``auto`` takes UCX when ``ucxx`` imports
-(shared memory on one host, RDMA with a system UCX) and the dependency-free TCP fallback otherwise; the
-choice and the reason are logged at INFO so an operator can see which data plane a node runs.
+(shared memory on one host, RDMA with a system UCX) and the dependency-free TCP fallback otherwise; it never
+picks ``cma`` (same-host only: whether P and D share a host is known to the operator, not to one endpoint at
+start-up), which is the one to configure when both run on one machine. The choice and the reason are logged at
+INFO so an operator can see which data plane a node runs.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .base import Transport
+from .cma import CmaConfig, CmaTransport
 from .tcp import TcpConfig, TcpTransport
 from .ucx import UcxConfig
 
 log = logging.getLogger(__name__)
 
-TransportKind = Literal["ucx", "tcp", "auto"]
+TransportKind = Literal["ucx", "tcp", "cma", "auto"]
+ConcreteKind = Literal["ucx", "tcp", "cma"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class TransportConfig:
     kind: TransportKind = "auto"
     tcp: TcpConfig = field(default_factory=TcpConfig)
     ucx: UcxConfig = field(default_factory=UcxConfig)
+    cma: CmaConfig = field(default_factory=CmaConfig)
 
 
 def ucx_available() -> bool:
@@ -35,10 +40,12 @@ def ucx_available() -> bool:
     return importlib.util.find_spec("ucxx") is not None
 
 
-def choose_kind(kind: str) -> tuple[Literal["ucx", "tcp"], str]:
+def choose_kind(kind: str) -> tuple[ConcreteKind, str]:
     """Resolve ``kind`` to a concrete transport and say why (``ValueError`` for an unknown kind)."""
     if kind == "tcp":
         return "tcp", "configured transport = tcp"
+    if kind == "cma":
+        return "cma", "configured transport = cma"
     if kind == "ucx":
         if not ucx_available():
             raise ValueError("transport = ucx but ucxx is not installed (pip install 'pd-disagg[ucx]')")
@@ -47,7 +54,7 @@ def choose_kind(kind: str) -> tuple[Literal["ucx", "tcp"], str]:
         if ucx_available():
             return "ucx", "transport = auto and ucxx is importable"
         return "tcp", "transport = auto and ucxx is not installed"
-    raise ValueError(f"unknown transport {kind!r}: expected 'ucx', 'tcp' or 'auto'")
+    raise ValueError(f"unknown transport {kind!r}: expected 'ucx', 'tcp', 'cma' or 'auto'")
 
 
 def create_transport(config: TransportConfig | None = None) -> Transport:
@@ -59,4 +66,6 @@ def create_transport(config: TransportConfig | None = None) -> Transport:
         from .ucx import UcxTransport
 
         return UcxTransport(config.ucx)
+    if kind == "cma":
+        return CmaTransport(config.cma)
     return TcpTransport(config.tcp)

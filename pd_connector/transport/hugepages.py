@@ -7,7 +7,7 @@ ours; with 4 KiB pages that per-page work halves its throughput (measured in doc
 so advising alone would only help pages faulted later: ``MADV_COLLAPSE`` (Linux >= 6.1) turns the pages
 already there into huge pages synchronously, keeping their contents.
 
-Called by ``UcxTransport.register`` on the registering engine thread, before UCX maps the memory (pinning
+Called by ``UcxTransport.register`` and ``CmaTransport.register`` on the registering engine thread, before UCX maps the memory (pinning
 transports must see the final pages). Only the 2 MiB-aligned interior of a region is advised, so memory
 outside the region keeps its settings. Nothing here is required for correctness: callers log failures and
 go on.
@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
+from collections.abc import Sequence
+
+from .base import MemoryRegion
+
+log = logging.getLogger(__name__)
 
 #: Advice values of ``madvise(2)`` (asm-generic, the same on x86-64 and arm64).
 MADV_HUGEPAGE = 14
@@ -70,3 +76,19 @@ def advise_huge_pages(address: int, length: int) -> int:
         if exc.errno not in (errno.EINVAL, errno.EAGAIN, errno.ENOMEM, errno.EBUSY):
             raise
     return nbytes
+
+
+def advise_regions(regions: Sequence[MemoryRegion], transport: str) -> None:
+    """``advise_huge_pages`` for every region a transport registers, best effort: a failure is logged once
+    and registration goes on. Called on the registering engine thread (collapsing GBs takes seconds)."""
+    advised = 0
+    for region in regions:
+        try:
+            advised += advise_huge_pages(region.address, region.length)
+        except OSError as exc:
+            log.warning(
+                "%s transport: transparent huge pages not available for registered memory: %s", transport, exc
+            )
+            return
+    total = sum(r.length for r in regions)
+    log.info("%s transport: %d of %d registered bytes advised to huge pages", transport, advised, total)

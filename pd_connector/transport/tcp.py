@@ -23,13 +23,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import cast
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion, Transport
+from .futures import fail as _fail
+from .futures import failed as _failed
 from .loop_thread import LoopThread
 from .regions import RegionInfo, RegionTable, host_view, plan
 from .tcp_wire import (
@@ -50,7 +52,6 @@ from .tcp_wire import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 #: Receive buffer for headers and small payloads (bigger payloads are read straight into place).
 SCRATCH_BYTES = 256 << 10
 #: Frames are gathered into one sendmsg of up to this many bytes / buffers.
@@ -553,14 +554,3 @@ def _expand(starts: npt.NDArray[np.int64], counts: npt.NDArray[np.int64]) -> npt
     """Runs (start, count) -> every index they cover, in order (vectorised)."""
     offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(starts, counts) + offsets
-
-
-def _fail(future: Future[int], error: Exception) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
-def _failed(error: Exception) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_exception(error)
-    return future

@@ -29,7 +29,6 @@ import logging
 import os
 import queue
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,9 @@ import numpy as np
 
 from . import hugepages, ucp_ffi
 from .base import BlockCopy, MemoryRegion, Transport
+from .futures import fail as _fail
+from .futures import failed as _failed
+from .host import host_id
 from .regions import RegionInfo, RegionTable, plan
 
 log = logging.getLogger(__name__)
@@ -111,16 +113,6 @@ class _Peer:
     pidfd: int | None = None
 
 
-def host_id() -> str:
-    """Identifies this boot of this host: same value <=> the peer's pid means the same process."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 @dataclass
 class _Pending:
     peer_id: str
@@ -172,7 +164,8 @@ class UcxTransport(Transport):
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
         self._regions.add(regions)
         if self.config.huge_pages:
-            _use_huge_pages(regions)  # here, not on the I/O thread: collapsing GBs takes seconds
+            # here, not on the I/O thread: collapsing GBs takes seconds
+            hugepages.advise_regions(regions, "ucx")
         try:
             self._call(lambda: self._map(regions)).result(self.config.call_timeout_s)
         except BaseException:
@@ -466,27 +459,3 @@ class UcxTransport(Transport):
             ucp_ffi.mem_unmap(ctx, memh)
         self._rkeys_packed.clear()
         self._regions.clear()
-
-
-def _use_huge_pages(regions: Sequence[MemoryRegion]) -> None:
-    """Best effort (a failure is logged once and registration goes on): see ``hugepages``."""
-    advised = 0
-    for region in regions:
-        try:
-            advised += hugepages.advise_huge_pages(region.address, region.length)
-        except OSError as exc:
-            log.warning("ucx transport: transparent huge pages not available for registered memory: %s", exc)
-            return
-    total = sum(r.length for r in regions)
-    log.info("ucx transport: %d of %d registered bytes advised to huge pages", advised, total)
-
-
-def _fail(future: Future[Any], error: Exception) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
-def _failed(error: Exception) -> Future[None]:
-    future: Future[None] = Future()
-    future.set_exception(error)
-    return future

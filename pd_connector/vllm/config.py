@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from pd_connector.transfer import TransferConfig
-from pd_connector.transport.factory import TransportConfig
+from pd_connector.transport.factory import TransportConfig, TransportKind
 from pd_connector.transport.tcp import TcpConfig
 
-TRANSPORTS = ("tcp", "ucx", "auto")
+TRANSPORTS = ("tcp", "ucx", "cma", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,8 @@ class PDConnectorConfig:
     side_channel_host: str = "127.0.0.1"
     #: P: side-channel port; 0 lets the kernel pick one (then D cannot be told it: tests only).
     side_channel_port: int = 0
-    #: Data plane: "tcp" (dependency-free), "ucx" (ucxx: shared memory / RDMA), "auto" (ucx if installed).
+    #: Data plane: "tcp" (dependency-free), "ucx" (ucxx: shared memory / RDMA), "cma" (P and D on one host:
+    #: process_vm_writev), "auto" (ucx if installed, never cma).
     transport: str = "tcp"
     #: Address the TCP data listener binds to (D receives there; "0.0.0.0" across hosts).
     data_host: str = "127.0.0.1"
@@ -101,6 +102,6 @@ class PDConnectorConfig:
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(
-            kind=cast(Literal["ucx", "tcp", "auto"], self.transport),
+            kind=cast(TransportKind, self.transport),
             tcp=TcpConfig(host=self.data_host, advertise_host=self.data_advertise_host or None),
         )

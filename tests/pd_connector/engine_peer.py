@@ -1,6 +1,6 @@
 """A real ``TransferEngine`` in its own process, driven by JSON commands on stdin, for cross-process tests.
 
-``python -m tests.pd_connector.engine_peer --role decode|prefill --kind tcp|ucx [--tls T] [--layout JSON]``
+``python -m tests.pd_connector.engine_peer --role decode|prefill --kind tcp|cma|ucx [--tls T] [--layout JSON]``
 builds the KV cache (prefill: seeded random bytes, decode: zeros; the same ``KVCache`` as the tests), the
 transport through the factory and the engine, then prints ``READY <side-channel address or ->`` and obeys one
 JSON command per line: ``expect`` / ``offer`` / ``push`` / ``finish`` / ``abort`` (the engine calls, same
@@ -40,7 +40,7 @@ def token_digest(cache: KVCache, blocks: list[int], num_tokens: int, start_token
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=["decode", "prefill"], required=True)
-    parser.add_argument("--kind", choices=["tcp", "ucx"], required=True)
+    parser.add_argument("--kind", choices=["tcp", "cma", "ucx"], required=True)
     parser.add_argument("--tls", default="")
     parser.add_argument("--layout", required=True)
     parser.add_argument("--blocks", type=int, default=64)

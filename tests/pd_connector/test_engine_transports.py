@@ -1,4 +1,4 @@
-"""The transfer engine across processes over every real data plane (TCP fallback, UCX sm, UCX tcp).
+"""The transfer engine across processes over every real data plane (TCP fallback, cma, UCX sm, UCX tcp).
 
 One engine runs in this process, its peer in another (``engine_peer``), so bytes really cross process
 boundaries; the decode side reports a sha256 of the tokens it received, compared with the prefill cache.
@@ -31,7 +31,12 @@ from tests.pd_connector.engines import SLACK_S, SMALL, KVCache, addr, assert_no_
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-TRANSPORTS = {"tcp": ("tcp", ""), "ucx_sm": ("ucx", "sm,self"), "ucx_tcp": ("ucx", "tcp,self")}
+TRANSPORTS = {
+    "tcp": ("tcp", ""),
+    "cma": ("cma", ""),
+    "ucx_sm": ("ucx", "sm,self"),
+    "ucx_tcp": ("ucx", "tcp,self"),
+}
 LAYOUT = msgspec.structs.replace(SMALL, block_tokens=4, token_major=True, kv_split=True)
 
 

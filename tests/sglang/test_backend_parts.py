@@ -67,6 +67,7 @@ def test_config_from_env_parses_and_rejects_bad_values():
     )
     assert cfg.transport == "auto" and cfg.lease_s == 2.5 and cfg.drop_kv_rooms == frozenset({1, 22})
     assert SGLangBackendConfig.from_env({}) == SGLangBackendConfig()
+    assert SGLangBackendConfig.from_env({"PD_SGLANG_TRANSPORT": "cma"}).transport == "cma"
     with pytest.raises(ValueError, match="PD_SGLANG_LEASE_S"):
         SGLangBackendConfig.from_env({"PD_SGLANG_LEASE_S": "-1"})
     with pytest.raises(ValueError, match="PD_SGLANG_TRANSPORT"):

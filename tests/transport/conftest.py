@@ -21,8 +21,8 @@ from pd_connector.transport.ucx import UcxConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 #: (transport kind, UCX_TLS): every data path we ship. UCX ones need the ``ucx`` extra.
-TRANSPORTS = [("tcp", ""), ("ucx", "sm,self"), ("ucx", "tcp,self")]
-TRANSPORT_IDS = ["tcp", "ucx_sm", "ucx_tcp"]
+TRANSPORTS = [("tcp", ""), ("cma", ""), ("ucx", "sm,self"), ("ucx", "tcp,self")]
+TRANSPORT_IDS = ["tcp", "cma", "ucx_sm", "ucx_tcp"]
 
 
 def build(kind: str, tls: str, write_timeout_s: float = 30.0) -> Transport:

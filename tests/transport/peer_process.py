@@ -3,7 +3,7 @@
 Allocates ``--regions`` zeroed regions of ``--blocks`` x ``--block-bytes``, registers them with the chosen
 transport and prints ``DESCRIPTOR <hex>`` on stdout (UCX may print warnings to stdout too, hence the tag). Then it serves stdin commands, one per
 line: ``digest`` prints ``DIGEST`` and the sha256 of each region, ``exit`` closes the transport and exits.
-It does nothing else: a push transport needs no receiver CPU (UCX RMA) or only its I/O thread (TCP).
+It does nothing else: a push transport needs no receiver CPU (UCX RMA, cma) or only its I/O thread (TCP).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pd_connector.transport.ucx import UcxConfig
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kind", choices=["tcp", "ucx"], required=True)
+    parser.add_argument("--kind", choices=["tcp", "cma", "ucx"], required=True)
     parser.add_argument("--tls", default="", help="UCX_TLS for the ucx transport")
     parser.add_argument("--regions", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=64)

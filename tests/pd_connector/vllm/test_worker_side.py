@@ -209,3 +209,4 @@ def test_layout_check_and_config_validation() -> None:
         PDConnectorConfig.from_extra_config({"load_timeout_s": 0})
     with pytest.raises(ValueError, match="transport"):
         PDConnectorConfig.from_extra_config({"transport": "carrier-pigeon"})
+    assert PDConnectorConfig.from_extra_config({"transport": "cma"}).transport_config().kind == "cma"

@@ -1,0 +1,477 @@
+"""Same-host data plane: ``process_vm_writev`` (cross-memory attach, CMA) straight into the peer's KV memory.
+
+Why it exists next to ``ucx``: UCX's shared-memory path is the same syscall, but with error handling off (which
+UCX requires for it) a put into a peer that died aborts the *sending* process, so a prefill server would die
+with its decode server; and UCX copies ~10 % slower than calling the syscall in 8 MiB pieces. Here a dead
+peer is just an errno (``ESRCH``/``EFAULT``): the write's future fails with ``CmaError`` naming the peer and
+the sender goes on.
+
+Who calls what:
+- Receiver (D), engine thread: ``register`` advises the regions to huge pages (``hugepages``), allows
+  writers under Yama ``ptrace_scope`` 1 and publishes a ``CmaDescriptor``: pid, boot id, pid-namespace
+  inode, the region table (addresses) and a probe buffer holding a random token. The receiver's CPU is not
+  involved in transfers afterwards.
+- Sender (P), engine thread: ``attach`` refuses peers on another host or in another pid namespace at once;
+  the I/O thread then opens a pidfd on the peer and reads back the token and writes it again (proving the pid
+  is the registering process and that the kernel lets us write into it: same user, ptrace permission).
+  ``write`` hands the copies to the I/O thread, which coalesces them, cuts runs into ``segment_bytes``
+  pieces and issues one syscall per at most ``segment_bytes`` / ``IOV_MAX`` pieces, continuing after partial
+  writes, and resolves the future with the byte count.
+
+The I/O thread is a ``LoopThread`` used as a work queue (it sleeps in epoll when idle). Syscalls run there
+through ctypes, which releases the GIL, so engine threads keep running while bytes move. Futures resolve on
+that thread: done-callbacks must be quick; ``detach`` from one runs inline.
+
+The pid could be reused after the peer exits; before every syscall the I/O thread polls the peer's pidfd, so
+a peer that exited is never written to (between poll and syscall its pid would have to be reaped and reused).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import logging
+import os
+import secrets
+import select
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from . import hugepages
+from .base import BlockCopy, MemoryRegion, Transport
+from .coalesce import COUNT, DST, REGION, SRC
+from .futures import fail, failed
+from .host import boot_id, pid_namespace
+from .loop_thread import LoopThread
+from .regions import RegionInfo, RegionTable, plan
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+#: Most iovec entries one ``process_vm_writev`` accepts (``UIO_MAXIOV``).
+IOV_MAX = 1024
+#: Bytes of the receiver's probe buffer (a random token the sender reads back and rewrites at attach).
+PROBE_BYTES = 16
+_YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+#: Largest ``segment_bytes``: Linux caps one call at ``MAX_RW_COUNT`` (2 GiB - 4 KiB).
+_MAX_SEGMENT = 1 << 30
+
+
+class CmaError(ConnectionError):
+    """A peer cannot be written to (gone, other host or namespace, no permission); names the peer."""
+
+
+@dataclass(frozen=True)
+class CmaConfig:
+    """Settings of the same-host transport (see docs/configuration.md ``## transport``)."""
+
+    #: Most bytes one ``process_vm_writev`` copies; longer runs are split. 8 MiB measured ~memcpy speed.
+    segment_bytes: int = 8 << 20
+    #: Advise registered regions to use transparent huge pages and collapse them (see ``hugepages``).
+    huge_pages: bool = True
+    #: Seconds ``attach``'s probe, ``detach`` and ``close`` wait for the I/O thread.
+    call_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.segment_bytes <= _MAX_SEGMENT:
+            raise ValueError(
+                f"cma.segment_bytes must be between 4096 and {_MAX_SEGMENT}, got {self.segment_bytes}"
+            )
+        if self.call_timeout_s <= 0:
+            raise ValueError(f"cma.call_timeout_s must be positive, got {self.call_timeout_s}")
+
+
+class CmaDescriptor(msgspec.Struct, frozen=True):
+    """What ``register`` publishes: who the receiver is, where its regions are and where to probe."""
+
+    version: int
+    pid: int
+    #: ``/proc/sys/kernel/random/boot_id`` of the receiver's host.
+    boot_id: str
+    #: Inode of the receiver's pid namespace.
+    pid_namespace: int
+    probe_address: int
+    token: bytes
+    regions: list[RegionInfo]
+
+
+@dataclass
+class _Peer:
+    pid: int
+    pidfd: int
+    remote: dict[int, RegionInfo]
+    #: Polls ``pidfd`` (readable once the peer exited); ``poll``, not ``select``: fds may exceed FD_SETSIZE.
+    exited: select.poll = field(default_factory=select.poll)
+
+    def __post_init__(self) -> None:
+        self.exited.register(self.pidfd, select.POLLIN)
+
+
+class Iovecs:
+    """Matching local and remote ``struct iovec`` arrays (uint64 pairs: base, length) for one write."""
+
+    def __init__(self, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64]) -> None:
+        self.local, self.remote = local, remote
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def advance(self, index: int, nbytes: int) -> None:
+        """Drop the first ``nbytes`` of piece ``index`` (after a partial write)."""
+        for iov in (self.local, self.remote):
+            iov[index, 0] += np.uint64(nbytes)
+            iov[index, 1] -= np.uint64(nbytes)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library with the prototypes we call (``use_errno``: errno is read right after each call)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name in ("process_vm_writev", "process_vm_readv"):
+        fn = getattr(libc, name)
+        fn.argtypes = (
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_void_p,
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        )
+        fn.restype = ctypes.c_ssize_t
+    libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+    libc.prctl.restype = ctypes.c_int
+    return libc
+
+
+def vm_call(write: bool, pid: int, iovecs: Iovecs, start: int, stop: int) -> int:
+    """One ``process_vm_writev``/``readv`` over pieces ``[start, stop)``; returns bytes moved or ``-errno``."""
+    fn = _libc().process_vm_writev if write else _libc().process_vm_readv
+    offset = start * iovecs.local.itemsize * 2
+    count = stop - start
+    while True:
+        done = fn(pid, iovecs.local.ctypes.data + offset, count, iovecs.remote.ctypes.data + offset, count, 0)
+        if done >= 0:
+            return int(done)
+        code = ctypes.get_errno()
+        if code != errno.EINTR:
+            return -code
+
+
+def build_iovecs(
+    spans: npt.NDArray[np.int64], local_base: dict[int, int], remote_base: dict[int, int], segment_bytes: int
+) -> Iovecs:
+    """Byte spans ``(region, src_off, dst_off, nbytes)`` -> absolute iovecs, runs cut into ``segment_bytes``."""
+    regions = spans[:, REGION]
+    lbase = np.array([local_base[r] for r in regions.tolist()], dtype=np.int64)
+    rbase = np.array([remote_base[r] for r in regions.tolist()], dtype=np.int64)
+    sizes = spans[:, COUNT]
+    pieces = -(-sizes // segment_bytes)
+    span_of = np.repeat(np.arange(len(spans)), pieces)
+    offset = (np.arange(len(span_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * segment_bytes
+    length = np.minimum(segment_bytes, sizes[span_of] - offset)
+    local = np.empty((len(span_of), 2), dtype=np.uint64)
+    remote = np.empty_like(local)
+    local[:, 0] = lbase[span_of] + spans[span_of, SRC] + offset
+    remote[:, 0] = rbase[span_of] + spans[span_of, DST] + offset
+    local[:, 1] = remote[:, 1] = length
+    return Iovecs(local, remote)
+
+
+def call_bounds(lengths: npt.NDArray[np.uint64], segment_bytes: int) -> list[tuple[int, int]]:
+    """Group pieces into syscalls of at most ``IOV_MAX`` pieces and ``segment_bytes`` bytes (>= 1 piece)."""
+    ends = np.cumsum(lengths.astype(np.int64))
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while start < len(lengths):
+        before = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, before + segment_bytes, side="right"))
+        stop = max(min(stop, start + IOV_MAX), start + 1)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def allow_writers() -> None:
+    """Let same-user processes write into this one under Yama (``ptrace_scope`` 1); refuse scope >= 2.
+
+    Called by the receiver's ``register``. Without Yama (or scope 0) the kernel's normal rule applies: same
+    user and a dumpable process, nothing to do.
+    """
+    try:
+        with open(_YAMA_SCOPE) as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return
+    if scope == 0:
+        return
+    if scope >= 2:
+        raise CmaError(
+            f"cma transport: kernel.yama.ptrace_scope is {scope}, so no ordinary process may write into this one; "
+            "set it to 0 or 1 (sysctl kernel.yama.ptrace_scope=1) or use the tcp or ucx transport"
+        )
+    if _libc().prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise CmaError(f"cma transport: prctl(PR_SET_PTRACER, ANY) failed: {os.strerror(code)}")
+
+
+class CmaTransport(Transport):
+    """``Transport`` over ``process_vm_writev`` between processes of one host (one per engine worker)."""
+
+    name = "cma"
+
+    def __init__(self, config: CmaConfig | None = None) -> None:
+        self.config = config or CmaConfig()
+        self._regions = RegionTable()
+        self._token = secrets.token_bytes(PROBE_BYTES)
+        self._probe = ctypes.create_string_buffer(self._token, PROBE_BYTES)
+        self._peers: dict[str, _Peer] = {}  # I/O thread only
+        self._broken: dict[str, Exception] = {}  # why a peer was dropped, until detach or re-attach
+        self._lock = threading.Lock()
+        self._closing = False
+        self._io = LoopThread("pd-cma-io")
+
+    # -- called from engine threads -------------------------------------------------------------------------
+    def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        allow_writers()
+        self._regions.add(regions)
+        if self.config.huge_pages:
+            hugepages.advise_regions(regions, "cma")
+        return msgspec.msgpack.encode(
+            CmaDescriptor(
+                PROTOCOL_VERSION,
+                os.getpid(),
+                boot_id(),
+                pid_namespace(),
+                ctypes.addressof(self._probe),
+                self._token,
+                self._regions.infos(),
+            )
+        )
+
+    def attach(self, peer_id: str, descriptor: bytes) -> Future[None]:
+        try:
+            desc = decode_descriptor(descriptor)
+            check_same_host(peer_id, desc)
+        except (ValueError, CmaError) as exc:
+            return failed(exc)
+        return self._call(lambda: self._connect(peer_id, desc))
+
+    def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        future: Future[int] = Future()
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                self._write(peer_id, copies, future)
+            except Exception as exc:  # a bug must fail the write, not strand its future
+                log.exception("cma transport: write to %s failed", peer_id)
+                fail(future, exc)
+
+        try:
+            self._submit(run)
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return future
+
+    def detach(self, peer_id: str) -> None:
+        if self._io.running:
+            self._call(lambda: self._drop(peer_id, None)).result(self.config.call_timeout_s)
+
+    def close(self) -> None:
+        if self._io.on_loop_thread():
+            raise RuntimeError("close() must not be called from the transport's own I/O thread")
+        with self._lock:  # from now on new work is refused; what is queued runs before the shutdown
+            if self._closing:
+                return
+            self._closing = True
+        if not self._io.running:
+            self._shutdown()
+            return
+        try:
+            self._call(self._shutdown, accept_while_closing=True).result(self.config.call_timeout_s)
+        finally:
+            self._io.stop(self.config.call_timeout_s)
+
+    def attached_peers(self) -> list[str]:
+        """Peer ids currently attached (tests use it to prove nothing leaks)."""
+        return list(self._peers)
+
+    def registered_regions(self) -> list[int]:
+        """Region ids currently registered."""
+        return [r.region_id for r in self._regions.all()]
+
+    # -- hand-over to the I/O thread -------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None], accept_while_closing: bool = False) -> None:
+        with self._lock:
+            if (self._closing and not accept_while_closing) or not self._io.running:
+                raise RuntimeError("cma transport is closed")
+            self._io.call_soon(fn)
+
+    def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
+        """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
+        future: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        if self._io.on_loop_thread():
+            run()
+            return future
+        try:
+            self._submit(run, accept_while_closing)
+        except RuntimeError as exc:
+            future.set_exception(exc)
+        return future
+
+    # -- the I/O thread ---------------------------------------------------------------------------------------
+    def _connect(self, peer_id: str, desc: CmaDescriptor) -> None:
+        self._drop(peer_id, None)
+        try:
+            pidfd = os.pidfd_open(desc.pid)
+        except ProcessLookupError:
+            raise CmaError(f"cma transport: peer {peer_id} (pid {desc.pid}) is not running") from None
+        try:
+            probe(peer_id, desc)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        self._peers[peer_id] = _Peer(desc.pid, pidfd, {r.region_id: r for r in desc.regions})
+        self._broken.pop(peer_id, None)
+        log.info("cma transport: attached %s (pid %d, %d regions)", peer_id, desc.pid, len(desc.regions))
+
+    def _write(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+        if self._closing:  # queued before close(): fail fast instead of copying into a peer nobody waits for
+            fail(future, CmaError(f"cma transport closed before the write to {peer_id} ran"))
+            return
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            fail(
+                future,
+                self._broken.get(peer_id) or CmaError(f"cma transport: peer {peer_id!r} is not attached"),
+            )
+            return
+        try:
+            spans, nbytes = plan(copies, self._regions, peer.remote)
+        except ValueError as exc:
+            fail(future, exc)
+            return
+        if nbytes:
+            local_base = {r.region_id: r.address for r in self._regions.all()}
+            remote_base = {i: r.address for i, r in peer.remote.items()}
+            iovecs = build_iovecs(spans, local_base, remote_base, self.config.segment_bytes)
+            error = self._copy(peer_id, peer, iovecs)
+            if error is not None:
+                self._drop(peer_id, error)
+                fail(future, error)
+                return
+        future.set_result(nbytes)
+
+    def _copy(self, peer_id: str, peer: _Peer, iovecs: Iovecs) -> CmaError | None:
+        """Write every piece, call by call, continuing after partial writes; the error that stopped it."""
+        for start, stop in call_bounds(iovecs.local[:, 1], self.config.segment_bytes):
+            while start < stop:
+                if peer.exited.poll(0):
+                    return CmaError(f"cma transport: peer {peer_id} (pid {peer.pid}) exited")
+                done = vm_call(True, peer.pid, iovecs, start, stop)
+                if done <= 0:
+                    return _error(peer_id, peer.pid, -done if done else errno.EFAULT)
+                lengths = iovecs.local[start:stop, 1].astype(np.int64)
+                ends = np.cumsum(lengths)
+                if done == int(ends[-1]):
+                    break
+                partial = int(np.searchsorted(ends, done, side="right"))  # first piece not fully written
+                iovecs.advance(start + partial, done - (int(ends[partial - 1]) if partial else 0))
+                start += partial
+        return None
+
+    def _drop(self, peer_id: str, error: CmaError | None) -> None:
+        """Forget a peer and close its pidfd (idempotent); ``error`` is kept for later writes (None: detach)."""
+        peer = self._peers.pop(peer_id, None)
+        if error is None:
+            self._broken.pop(peer_id, None)
+        else:
+            self._broken[peer_id] = error
+            log.warning("%s", error)
+        if peer is not None:
+            os.close(peer.pidfd)
+
+    def _shutdown(self) -> None:
+        for peer_id in list(self._peers):
+            self._drop(peer_id, None)
+        self._broken.clear()
+        self._regions.clear()
+
+
+def decode_descriptor(descriptor: bytes) -> CmaDescriptor:
+    """Decode and sanity-check a peer's descriptor (``ValueError`` for anything malformed)."""
+    try:
+        desc = msgspec.msgpack.decode(descriptor, type=CmaDescriptor)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a cma transport descriptor: {exc}") from None
+    if desc.version != PROTOCOL_VERSION:
+        raise ValueError(f"peer speaks cma transport v{desc.version}, we speak v{PROTOCOL_VERSION}")
+    if desc.pid <= 0 or desc.probe_address <= 0 or len(desc.token) != PROBE_BYTES:
+        raise ValueError(f"cma descriptor: bad pid {desc.pid}, probe address or token")
+    ids = [r.region_id for r in desc.regions]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"cma descriptor: repeated region ids {sorted(ids)}")
+    for r in desc.regions:
+        if r.block_bytes <= 0 or r.length < 0 or r.length % r.block_bytes or r.address <= 0:
+            raise ValueError(f"cma descriptor: region {r.region_id} is malformed ({r})")
+    return desc
+
+
+def check_same_host(peer_id: str, desc: CmaDescriptor) -> None:
+    """Refuse (``CmaError``) a peer whose pid does not name a process we can see: other host or namespace."""
+    if desc.boot_id != boot_id():
+        raise CmaError(
+            f"cma transport: peer {peer_id} runs on another host (boot id {desc.boot_id or '?'}); "
+            "cma only works between processes of one machine: use the tcp or ucx transport"
+        )
+    if desc.pid_namespace != pid_namespace():
+        raise CmaError(
+            f"cma transport: peer {peer_id} runs in another pid namespace (container); run prefill and decode "
+            "in the same pid namespace (e.g. docker --pid=host or one pod with shareProcessNamespace) or use "
+            "the tcp or ucx transport"
+        )
+
+
+def probe(peer_id: str, desc: CmaDescriptor) -> None:
+    """Read the receiver's token back and rewrite it: proves the pid is the registering process and that the
+    kernel lets us write into it (``CmaError`` saying what to configure otherwise)."""
+    buffer = ctypes.create_string_buffer(PROBE_BYTES)
+    iov = Iovecs(
+        np.array([[ctypes.addressof(buffer), PROBE_BYTES]], dtype=np.uint64),
+        np.array([[desc.probe_address, PROBE_BYTES]], dtype=np.uint64),
+    )
+    for write in (False, True):
+        done = vm_call(write, desc.pid, iov, 0, 1)
+        if done < 0:
+            raise _error(peer_id, desc.pid, -done)
+        if done != PROBE_BYTES or (not write and buffer.raw != desc.token):
+            raise CmaError(f"cma transport: pid {desc.pid} is not the process that registered {peer_id}")
+
+
+def _error(peer_id: str, pid: int, code: int) -> CmaError:
+    why = {
+        errno.ESRCH: "exited",
+        errno.EFAULT: "no longer has the registered memory mapped (exiting or deregistered)",
+        errno.EPERM: (
+            "may not be written by this process: run both as the same user, keep them dumpable and allow "
+            "ptrace (kernel.yama.ptrace_scope <= 1, no seccomp/AppArmor denial), or use the tcp or ucx transport"
+        ),
+    }.get(code, f"failed: {os.strerror(code)}")
+    return CmaError(f"cma transport: peer {peer_id} (pid {pid}) {why}")
