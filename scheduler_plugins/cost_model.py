@@ -124,9 +124,9 @@ class CostModel:
         if theta.min() >= 0:  # the usual case: the unconstrained optimum is feasible
             return theta
         best, best_cost = np.zeros(4), np.inf
-        for mask in range(
-            1, 15
-        ):  # mask 15 (all free) was just tried  # which coefficients are free; the others sit at the bound 0
+        # Bit i of ``mask``: coefficient i is free; the others sit at the bound 0. Mask 15 was just tried;
+        # mask 1 (intercept only) is always feasible, since every measured time is positive.
+        for mask in range(1, 15):
             free = np.array([bool(mask >> i & 1) for i in range(4)])
             theta = np.zeros(4)
             theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
