@@ -99,10 +99,17 @@ def blocks_idle(url: str) -> bool:
 class Cluster:
     """The module's P and D servers; restarts one of them when it died or D needs another configuration."""
 
-    def __init__(self, start: Callable[..., list[ManagedServer]], model: Path, log_dir: Path) -> None:
+    def __init__(
+        self,
+        start: Callable[..., list[ManagedServer]],
+        model: Path,
+        log_dir: Path,
+        transport: str = "tcp",
+    ) -> None:
         self._start = start
         self.model = model
         self._log_dir = log_dir
+        self.transport = transport  # PDConnector's data plane on both servers
         self.side_channel_port = free_port()
         self.prefill: ManagedServer | None = None
         self.decode: ManagedServer | None = None
@@ -128,7 +135,7 @@ class Cluster:
         return vllm_server(
             self.model,
             log_dir=self._log_dir,
-            name="pd-prefill",
+            name=f"pd-prefill-{self.transport}",
             dtype="float32",
             cpu_core=0,
             max_model_len=MAX_MODEL_LEN,
@@ -143,6 +150,7 @@ class Cluster:
                 "kv_connector": "PDConnector",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {
+                    "transport": self.transport,
                     "side_channel_port": self.side_channel_port,
                     "lease_s": LEASE_S,
                     "load_timeout_s": 20.0,
@@ -155,7 +163,7 @@ class Cluster:
         return vllm_server(
             self.model,
             log_dir=self._log_dir,
-            name=f"pd-decode-{'cache' if prefix_caching else 'nocache'}-{failure_policy}",
+            name=f"pd-decode-{self.transport}-{'cache' if prefix_caching else 'nocache'}-{failure_policy}",
             dtype="float32",
             cpu_core=1,
             max_model_len=MAX_MODEL_LEN,
@@ -165,9 +173,18 @@ class Cluster:
                 "kv_connector": "PDConnector",
                 "kv_role": "kv_consumer",
                 "kv_load_failure_policy": failure_policy,
-                "kv_connector_extra_config": {"load_timeout_s": D_LOAD_TIMEOUT_S},
+                "kv_connector_extra_config": {
+                    "transport": self.transport,
+                    "load_timeout_s": D_LOAD_TIMEOUT_S,
+                },
             },
         )
+
+    def stop(self) -> None:
+        """Stop both servers (a later ``ensure`` starts them again)."""
+        for server in (self.prefill, self.decode):
+            if server is not None:
+                server.stop()
 
     def ensure(
         self, *, prefix_caching: bool | None = None, failure_policy: FailurePolicy | None = None
@@ -635,3 +652,20 @@ def test_disaggregated_equals_colocated_without_decode_prefix_cache(cluster: Clu
     for n in PROMPT_LENGTHS:
         prompt = tokens(n, seed=n)
         assert cluster.disaggregated(prompt) == cluster.reference(prompt), f"{n} tokens"
+
+
+def test_cma_transport_between_vllm_workers(
+    start_servers, cluster: Cluster, tiny_model: Path, log_dir: Path
+) -> None:
+    """The same-host ``cma`` data plane inside real vLLM workers: P's worker writes into D's KV cache with
+    process_vm_writev (sibling processes of one user, no shared parent). Runs last: the module's TCP pair is
+    stopped first, so no more than two engine servers run at a time."""
+    cluster.stop()
+    cma = Cluster(start_servers, tiny_model, log_dir, transport="cma").ensure()
+    for n in (33, 257, MAX_MODEL_LEN - MAX_TOKENS - 1):
+        prompt = tokens(n, seed=12000 + n)
+        assert cma.disaggregated(prompt) == cma.reference(prompt), f"{n} tokens over cma"
+    for server in (cma.prefill, cma.decode):
+        assert server is not None and "data plane cma" in server.log_tail(400), server
+    assert metric(cma.d_url, "vllm:pd_connector_failures_total") == 0
+    wait_until(lambda: blocks_idle(cma.p_url) and blocks_idle(cma.d_url), 15, "blocks freed after cma loads")

@@ -107,16 +107,17 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layout, buffers = cpu_kv_layout(kv_caches, self._num_blocks)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        transport = create_transport(self._config.transport_config())
         self._engine = TransferEngine(
             self._config.transfer_config(self._engine_id, listen=self._producer),
             layout,
             buffers,
-            create_transport(self._config.transport_config()),
+            transport,
         )
         logger.info(
-            "PDConnector worker: %s%s, side channel %s, layout %s",
-            "producer " if self._producer else "",
-            "consumer" if self._consumer else "",
+            "PDConnector worker: %s, data plane %s, side channel %s, layout %s",
+            " and ".join(r for r, on in (("producer", self._producer), ("consumer", self._consumer)) if on),
+            transport.name,
             self._engine.address,
             layout,
         )
