@@ -144,8 +144,12 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
 
     long_times, sent = asyncio.run(run())
     first_token = long_times[0]
-    for times in decode_times:
-        assert len(times) == DECODE_TOKENS
+    assert all(len(times) == DECODE_TOKENS for times in decode_times)
+    # Streams that decoded across the whole prefill window. On two busy cores vLLM's front end may admit the
+    # four streams one after another (seen in CI: 200 steps apart), so some may have ended before it opened.
+    spanning = [times for times in decode_times if times[0] < sent and times[-1] > first_token]
+    assert spanning, "no decode stream ran during the long prompt's prefill: the test's premise failed"
+    for times in spanning:
         during = [t for t in times if sent < t < first_token]
         assert during, "a decode stream froze for the whole prefill of the long prompt"
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
