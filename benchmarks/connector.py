@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import statistics
 import sys
@@ -37,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, vllm_server
-from pd_disagg.servers import ManagedServer, free_port, process_group_members
+from pd_disagg.servers import ManagedServer, free_port, process_group_cpu_seconds
 from pd_disagg.tiny_model import bench_model
 
 LOG_DIR = Path("logs/benchmarks/connector")
@@ -115,26 +114,15 @@ def ttft_standard(p_url: str, d_url: str, body: dict[str, Any], timeout_s: float
     return stream_first_token(d_url, {**body, "kv_transfer_params": params}, t0)
 
 
-def cpu_ticks(servers: list[ManagedServer]) -> int:
-    total = 0
-    for server in servers:
-        for pid in process_group_members(server.pid):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
-    return total
-
-
 def idle_cpu_percent(servers: list[ManagedServer], seconds: float) -> float:
-    hz = os.sysconf("SC_CLK_TCK")
+    def cpu_s() -> float:
+        return sum(process_group_cpu_seconds(server.pid) for server in servers)
+
     time.sleep(2.0)
-    before, t0 = cpu_ticks(servers), time.monotonic()
+    before, t0 = cpu_s(), time.monotonic()
     time.sleep(seconds)
-    after, t1 = cpu_ticks(servers), time.monotonic()
-    return 100.0 * (after - before) / hz / (t1 - t0)
+    after, t1 = cpu_s(), time.monotonic()
+    return 100.0 * (after - before) / (t1 - t0)
 
 
 def pair(

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pd_disagg.servers import ManagedServer, free_port, process_group_members
+from pd_disagg.servers import ManagedServer, free_port, process_group_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
@@ -91,28 +91,15 @@ async def latencies(port: int, concurrency: int, per_conn: int) -> list[float]:
     return lat
 
 
-def cpu_seconds(pgid: int) -> float:
-    """User + system CPU time of a server's process group (all its threads), from /proc."""
-    total = 0
-    for pid in process_group_members(pgid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 async def max_rps(port: int, seconds: float, pgid: int, concurrency: int = 64) -> tuple[float, float]:
     """Requests/s in a closed loop, and the server's CPU microseconds per request meanwhile."""
     payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
     await latencies(port, 8, 5)  # warm connections and code paths
     lat: list[float] = []
-    cpu0, start = cpu_seconds(pgid), time.perf_counter()
+    cpu0, start = process_group_cpu_seconds(pgid), time.perf_counter()
     await asyncio.gather(*(_conn_loop(port, payload, None, start + seconds, lat) for _ in range(concurrency)))
     rps = len(lat) / (time.perf_counter() - start)
-    return rps, (cpu_seconds(pgid) - cpu0) / len(lat) * 1e6
+    return rps, (process_group_cpu_seconds(pgid) - cpu0) / len(lat) * 1e6
 
 
 def pct(values: list[float], q: float) -> float:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from pd_disagg.servers import ManagedServer, ServerStartError, free_port, process_group_members, running
+from pd_disagg.servers import (
+    ManagedServer,
+    ServerStartError,
+    free_port,
+    process_group_cpu_seconds,
+    process_group_members,
+    running,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +73,13 @@ def test_health_timeout_raises_and_kills(tmp_path: Path) -> None:
     with pytest.raises(ServerStartError, match="not healthy after"), running(server, timeout_s=1.5):
         pass
     assert not server.alive()
+
+
+def test_process_group_cpu_seconds_counts_our_own_work() -> None:
+    """The benchmarks' CPU figures: this process's group accumulates the CPU time this loop burns."""
+    pgid = os.getpgid(0)
+    before = process_group_cpu_seconds(pgid)
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    assert process_group_cpu_seconds(pgid) - before >= 0.15
