@@ -17,6 +17,7 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,13 @@ class MemoryRegion:
         return self.length // self.block_bytes
 
 
-@dataclass(frozen=True)
-class BlockCopy:
+class BlockCopy(NamedTuple):
     """Copy ``num_blocks`` contiguous blocks of ``region_id``: local ``src_block`` -> remote ``dst_block``.
 
     Callers pass one entry per block or already-coalesced runs; transports coalesce adjacent runs again
-    (see ``coalesce.py``), so a 4096-token prompt is a handful of messages per layer.
+    (see ``coalesce.py``), so a 4096-token prompt is a handful of messages per layer. A named tuple (not a
+    dataclass) because ``write`` turns thousands of them into one numpy table per call, which reads tuples
+    at C speed.
     """
 
     region_id: int

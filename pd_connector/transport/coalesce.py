@@ -8,7 +8,7 @@ critical path. Vectorised with numpy: a layer's plan costs tens of microseconds,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -31,8 +31,7 @@ def coalesce_runs(copies: Sequence[BlockCopy]) -> RunTable:
     """
     if not copies:
         return np.empty((0, 4), dtype=np.int64)
-    fields = chain.from_iterable((c.region_id, c.src_block, c.dst_block, c.num_blocks) for c in copies)
-    table = np.fromiter(fields, dtype=np.int64, count=4 * len(copies)).reshape(-1, 4)
+    table = np.fromiter(chain.from_iterable(copies), dtype=np.int64, count=4 * len(copies)).reshape(-1, 4)
     if (table[:, COUNT] <= 0).any() or (table[:, SRC : DST + 1] < 0).any():
         raise ValueError("block copies need src_block, dst_block >= 0 and num_blocks >= 1")
     _check_no_overlapping_destinations(table)
@@ -54,26 +53,6 @@ def coalesce_runs(copies: Sequence[BlockCopy]) -> RunTable:
 def coalesce(copies: Sequence[BlockCopy]) -> list[BlockCopy]:
     """``coalesce_runs`` as ``BlockCopy`` objects (for callers and tests that want the public type)."""
     return [BlockCopy(int(r), int(s), int(d), int(n)) for r, s, d, n in coalesce_runs(copies)]
-
-
-def check_bounds(runs: RunTable, local_blocks: Mapping[int, int], remote_blocks: Mapping[int, int]) -> None:
-    """Refuse runs that name an unknown region or reach past either side's last block (``ValueError``).
-
-    ``local_blocks`` / ``remote_blocks`` map region id -> number of blocks. Checked before anything is
-    posted, so a bad request loses nothing and writes nothing.
-    """
-    for region in np.unique(runs[:, REGION]).tolist():
-        if region not in local_blocks or region not in remote_blocks:
-            side = "local" if region not in local_blocks else "remote"
-            raise ValueError(f"region {region} is not registered on the {side} side")
-        rows = runs[runs[:, REGION] == region]
-        src_end = int((rows[:, SRC] + rows[:, COUNT]).max())
-        dst_end = int((rows[:, DST] + rows[:, COUNT]).max())
-        if src_end > local_blocks[region] or dst_end > remote_blocks[region]:
-            raise ValueError(
-                f"region {region}: copy reaches block {max(src_end, dst_end) - 1} but local has "
-                f"{local_blocks[region]} and remote has {remote_blocks[region]} blocks"
-            )
 
 
 def _check_no_overlapping_destinations(table: RunTable) -> None:

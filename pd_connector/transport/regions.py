@@ -1,7 +1,7 @@
 """Bookkeeping of registered memory regions shared by the transports (local side and attached peers).
 
-Each transport keeps one ``RegionTable`` for what ``register`` was given and learns the peer's block counts
-and sizes from its descriptor; ``plan`` turns a ``write`` request into byte spans with every bound checked
+Each transport keeps one ``RegionTable`` for what ``register`` was given and a ``RegionIndex`` per attached
+peer, built from its descriptor; ``plan`` turns a ``write`` request into byte spans with every bound checked
 before anything is posted.
 """
 
@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion
-from .coalesce import COUNT, DST, REGION, SRC, RunTable, check_bounds, coalesce_runs
+from .coalesce import COUNT, DST, REGION, SRC, RunTable, coalesce_runs
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -38,12 +40,38 @@ def host_view(address: int, length: int) -> memoryview:
     return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
 
 
+class RegionIndex:
+    """One side's regions as numpy columns sorted by id, so ``plan`` checks and maps a whole write at once.
+
+    Built when the regions change, not per write: a transport's local index when ``register`` changes its
+    ``RegionTable``, a peer's at ``attach``. ``by_id`` keeps the ``RegionInfo`` for callers that need one.
+    """
+
+    def __init__(self, infos: Iterable[RegionInfo]) -> None:
+        rows = sorted(infos, key=lambda r: r.region_id)
+        self.by_id: dict[int, RegionInfo] = {r.region_id: r for r in rows}
+        self.ids = np.array([r.region_id for r in rows], dtype=np.int64)
+        self.blocks = np.array([r.length // r.block_bytes for r in rows], dtype=np.int64)
+        self.block_bytes = np.array([r.block_bytes for r in rows], dtype=np.int64)
+        self.address = np.array([r.address for r in rows], dtype=np.int64)
+
+    def positions(self, region_ids: npt.NDArray[np.int64], side: str) -> npt.NDArray[np.intp]:
+        """Row of each id in the columns; ``ValueError`` naming the first id this ``side`` lacks."""
+        pos = np.minimum(np.searchsorted(self.ids, region_ids), max(len(self.ids) - 1, 0))
+        known = self.ids[pos] == region_ids if len(self.ids) else np.zeros(len(region_ids), dtype=bool)
+        if not known.all():
+            region = int(region_ids[int(np.argmin(known))])
+            raise ValueError(f"region {region} is not registered on the {side} side")
+        return pos
+
+
 class RegionTable:
     """Registered local regions by id (thread-safe: ``register`` may race with the I/O thread's reads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._regions: dict[int, MemoryRegion] = {}
+        self._index: RegionIndex | None = None
 
     def add(self, regions: Iterable[MemoryRegion]) -> None:
         """Add regions; a repeated id is refused (``ValueError``) and nothing is added."""
@@ -54,11 +82,13 @@ class RegionTable:
             if dup:
                 raise ValueError(f"regions already registered: {sorted(dup)}")
             self._regions.update((r.region_id, r) for r in new)
+            self._index = None
 
     def remove(self, region_ids: Iterable[int]) -> None:
         with self._lock:
             for region_id in region_ids:
                 self._regions.pop(region_id, None)
+            self._index = None
 
     def get(self, region_id: int) -> MemoryRegion | None:
         with self._lock:
@@ -71,42 +101,67 @@ class RegionTable:
     def clear(self) -> list[MemoryRegion]:
         with self._lock:
             regions, self._regions = list(self._regions.values()), {}
+            self._index = None
             return regions
 
     def infos(self) -> list[RegionInfo]:
         return [RegionInfo(r.region_id, r.length, r.block_bytes, r.address) for r in self.all()]
 
+    def index(self) -> RegionIndex:
+        """The current regions as a ``RegionIndex`` (rebuilt only after a change)."""
+        with self._lock:
+            if self._index is None:
+                self._index = RegionIndex(
+                    RegionInfo(r.region_id, r.length, r.block_bytes, r.address)
+                    for r in self._regions.values()
+                )
+            return self._index
 
-def plan(
-    copies: Sequence[BlockCopy], local: RegionTable, remote: Mapping[int, RegionInfo]
-) -> tuple[RunTable, int]:
-    """Coalesce ``copies``, check them against both sides and return byte spans and their total size.
 
-    The span table has one row per merged run: ``(region_id, src_offset, dst_offset, nbytes)``, offsets
-    from each side's region base. Refuses (``ValueError``) unknown regions, out-of-range blocks and regions
+class Spans(NamedTuple):
+    """A checked write: one row per merged run, with each run's absolute start on both sides."""
+
+    #: ``(region_id, src_offset, dst_offset, nbytes)`` rows, offsets from each side's region base.
+    table: RunTable
+    nbytes: int
+    local_address: npt.NDArray[np.int64]
+    remote_address: npt.NDArray[np.int64]
+
+
+def plan(copies: Sequence[BlockCopy], local: RegionIndex, remote: RegionIndex) -> Spans:
+    """Coalesce ``copies``, check them against both sides and return byte spans (vectorised: a layer's
+    hundreds of copies cost tens of microseconds, on the I/O thread of every transport).
+
+    Refuses (``ValueError``, nothing posted) unknown regions, blocks past either side's end and regions
     whose block size differs between the two sides (layout mapping is the transfer engine's job).
     """
     runs = coalesce_runs(copies)
     if len(runs) == 0:
-        return runs, 0
-    regions, row_region = np.unique(runs[:, REGION], return_inverse=True)
-    local_blocks: dict[int, int] = {}
-    block_bytes = np.zeros(len(regions), dtype=np.int64)
-    for i, region in enumerate(regions.tolist()):
-        mine, theirs = local.get(region), remote.get(region)
-        if mine is not None and theirs is not None and mine.block_bytes != theirs.block_bytes:
-            raise ValueError(
-                f"region {region}: local blocks are {mine.block_bytes} bytes, remote {theirs.block_bytes}"
-            )
-        if mine is not None:
-            local_blocks[region] = mine.num_blocks
-        if theirs is not None:
-            block_bytes[i] = theirs.block_bytes
-    check_bounds(runs, local_blocks, {i: r.length // r.block_bytes for i, r in remote.items()})
-    stride = block_bytes[row_region.reshape(-1)]
+        empty = np.empty(0, dtype=np.int64)
+        return Spans(runs, 0, empty, empty)
+    region = runs[:, REGION]
+    mine, theirs = local.positions(region, "local"), remote.positions(region, "remote")
+    stride = remote.block_bytes[theirs]
+    mismatch = local.block_bytes[mine] != stride
+    if mismatch.any():
+        i = int(np.argmax(mismatch))
+        raise ValueError(
+            f"region {int(region[i])}: local blocks are {int(local.block_bytes[mine[i]])} bytes, "
+            f"remote {int(stride[i])}"
+        )
+    src_end, dst_end = runs[:, SRC] + runs[:, COUNT], runs[:, DST] + runs[:, COUNT]
+    past = (src_end > local.blocks[mine]) | (dst_end > remote.blocks[theirs])
+    if past.any():
+        i = int(np.argmax(past))
+        raise ValueError(
+            f"region {int(region[i])}: copy reaches block {max(int(src_end[i]), int(dst_end[i])) - 1} but "
+            f"local has {int(local.blocks[mine[i]])} and remote has {int(remote.blocks[theirs[i]])} blocks"
+        )
     out = np.empty_like(runs)
-    out[:, REGION] = runs[:, REGION]
+    out[:, REGION] = region
     out[:, SRC] = runs[:, SRC] * stride
     out[:, DST] = runs[:, DST] * stride
     out[:, COUNT] = runs[:, COUNT] * stride
-    return out, int(out[:, COUNT].sum())
+    return Spans(
+        out, int(out[:, COUNT].sum()), local.address[mine] + out[:, SRC], remote.address[theirs] + out[:, DST]
+    )

@@ -33,7 +33,7 @@ from .base import BlockCopy, MemoryRegion, Transport
 from .futures import fail as _fail
 from .futures import failed as _failed
 from .loop_thread import LoopThread
-from .regions import RegionInfo, RegionTable, host_view, plan
+from .regions import RegionIndex, RegionTable, host_view, plan
 from .tcp_wire import (
     LENGTH,
     MAX_HEADER_BYTES,
@@ -212,7 +212,7 @@ class _Job:
 class _Outbound:
     """The sender's connection to one peer: a send task draining a job queue and a task reading acks."""
 
-    def __init__(self, owner: TcpTransport, peer_id: str, sock: socket.socket, remote: dict[int, RegionInfo]):
+    def __init__(self, owner: TcpTransport, peer_id: str, sock: socket.socket, remote: RegionIndex):
         self.peer_id = peer_id
         self.remote = remote
         self._owner = owner
@@ -269,7 +269,7 @@ class _Outbound:
                 yield from self._block_frames(region, small, base)
 
     def _block_frames(self, region: int, rows: npt.NDArray[np.int64], base: memoryview) -> Iterator[bytes]:
-        block_bytes = self.remote[region].block_bytes
+        block_bytes = self.remote.by_id[region].block_bytes
         counts = rows[:, 3] // block_bytes
         src = _expand(rows[:, 1] // block_bytes, counts)
         dst = _expand(rows[:, 2] // block_bytes, counts).astype("<i4")
@@ -466,7 +466,7 @@ class TcpTransport(Transport):
             raise ConnectionError(
                 f"tcp transport: cannot reach {peer_id} at {desc.host}:{desc.port}: {exc}"
             ) from exc
-        self._outbound[peer_id] = _Outbound(self, peer_id, sock, {r.region_id: r for r in desc.regions})
+        self._outbound[peer_id] = _Outbound(self, peer_id, sock, RegionIndex(desc.regions))
         log.info("tcp transport: attached %s at %s:%d", peer_id, desc.host, desc.port)
 
     def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
@@ -475,14 +475,14 @@ class TcpTransport(Transport):
             _fail(future, ConnectionError(f"tcp transport: peer {peer_id!r} is not attached"))
             return
         try:
-            spans, nbytes = plan(copies, self._regions, conn.remote)
+            spans = plan(copies, self._regions.index(), conn.remote)
         except ValueError as exc:
             _fail(future, exc)
             return
-        if nbytes == 0:
+        if spans.nbytes == 0:
             future.set_result(0)
             return
-        conn.post(_Job(spans, nbytes, future))
+        conn.post(_Job(spans.table, spans.nbytes, future))
 
     async def _detach(self, peer_id: str) -> None:
         conn = self._outbound.pop(peer_id, None)

@@ -44,7 +44,7 @@ from .base import BlockCopy, MemoryRegion, Transport
 from .futures import fail as _fail
 from .futures import failed as _failed
 from .host import host_id
-from .regions import RegionInfo, RegionTable, plan
+from .regions import RegionIndex, RegionInfo, RegionTable, plan
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class UcxDescriptor(msgspec.Struct, frozen=True):
 class _Peer:
     endpoint: Any  # ucxx UCXEndpoint (kept alive: its handle is what we post on)
     handle: int
-    remote: dict[int, RegionInfo]
+    remote: RegionIndex
     rkeys: dict[int, int]
     pidfd: int | None = None
 
@@ -368,7 +368,7 @@ class UcxTransport(Transport):
                 ucp_ffi.rkey_destroy(rkey)
             endpoint.close()
             raise
-        peer = _Peer(endpoint, handle, {r.region_id: r for r in desc.regions}, rkeys)
+        peer = _Peer(endpoint, handle, RegionIndex(desc.regions), rkeys)
         if desc.pid and desc.host_id == host_id():
             try:
                 peer.pidfd = os.pidfd_open(desc.pid)
@@ -392,8 +392,8 @@ class UcxTransport(Transport):
             )
             return
         try:
-            spans, nbytes = plan(copies, self._regions, peer.remote)
-            missing = set(spans[:, 0].tolist()) - self._memh.keys()
+            spans = plan(copies, self._regions.index(), peer.remote)
+            missing = set(spans.table[:, 0].tolist()) - self._memh.keys()
             if missing:
                 raise ValueError(f"regions {sorted(missing)} are not registered locally")
         except ValueError as exc:
@@ -401,13 +401,13 @@ class UcxTransport(Transport):
             return
         ep = peer.handle
         try:
-            for region in np.unique(spans[:, 0]).tolist():
-                rows = spans[spans[:, 0] == region]
+            for region in np.unique(spans.table[:, 0]).tolist():
+                rows = spans.table[:, 0] == region
                 self._poster.put_many(
                     ep,
-                    (rows[:, 1] + self._regions_base(region)).tolist(),
-                    rows[:, 3].tolist(),
-                    (rows[:, 2] + peer.remote[region].address).tolist(),
+                    spans.local_address[rows].tolist(),
+                    spans.table[rows, 3].tolist(),
+                    spans.remote_address[rows].tolist(),
                     peer.rkeys[region],
                     self._memh[region],
                 )
@@ -417,13 +417,8 @@ class UcxTransport(Transport):
             _fail(future, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
             return
         self._pending.append(
-            _Pending(peer_id, request, nbytes, future, time.monotonic() + self.config.write_timeout_s)
+            _Pending(peer_id, request, spans.nbytes, future, time.monotonic() + self.config.write_timeout_s)
         )
-
-    def _regions_base(self, region_id: int) -> int:
-        region = self._regions.get(region_id)
-        assert region is not None
-        return region.address
 
     def _drop(self, peer_id: str, error: Exception, quiet: bool = False) -> None:
         """Fail the peer's outstanding writes, destroy its rkeys and close its endpoint (idempotent)."""

@@ -20,7 +20,7 @@ import pytest
 from pd_connector.transport import cma
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.cma import CmaConfig, CmaDescriptor, CmaError, CmaTransport
-from pd_connector.transport.regions import RegionInfo
+from pd_connector.transport.regions import RegionInfo, Spans
 
 from .conftest import ROOT, PeerProcess, local_regions
 
@@ -145,18 +145,26 @@ def test_segment_size_is_validated(bad: int) -> None:
 def test_runs_are_cut_into_segments_and_calls_respect_iov_max() -> None:
     seg = 4 << 20
     # region 0: one 10 MiB run; region 1: 3000 separate 4 KiB runs
-    spans = np.array([[0, 0, 4096, 10 << 20]] + [[1, i * 8192, i * 4096, 4096] for i in range(3000)])
-    iov = cma.build_iovecs(spans, {0: 1 << 40, 1: 2 << 40}, {0: 3 << 40, 1: 4 << 40}, seg)
+    table = np.array([[0, 0, 4096, 10 << 20]] + [[1, i * 8192, i * 4096, 4096] for i in range(3000)])
+    local_base, remote_base = np.array([1 << 40, 2 << 40]), np.array([3 << 40, 4 << 40])
+    spans = Spans(
+        table,
+        int(table[:, 3].sum()),
+        local_base[table[:, 0]] + table[:, 1],
+        remote_base[table[:, 0]] + table[:, 2],
+    )
+    iov = cma.build_iovecs(spans, seg)
     assert iov.local[:3].tolist() == [[1 << 40, seg], [(1 << 40) + seg, seg], [(1 << 40) + 2 * seg, 2 << 20]]
     assert iov.remote[:3, 0].tolist() == [(3 << 40) + 4096 + k * seg for k in range(3)]
     assert iov.remote[3:5].tolist() == [[4 << 40, 4096], [(4 << 40) + 4096, 4096]]
     assert iov.local[4, 0] == (2 << 40) + 8192
     bounds = cma.call_bounds(iov.local[:, 1], seg)
-    assert bounds[0] == (0, 1) and bounds[-1][1] == len(iov) == 3 + 3000
+    assert bounds[0] == (0, 1, seg) and bounds[-1][1] == len(iov) == 3 + 3000
     assert all(b[0] == a[1] for a, b in itertools.pairwise(bounds))  # contiguous, no gaps
-    for start, stop in bounds:
+    for start, stop, nbytes in bounds:
         assert stop - start <= cma.IOV_MAX
-        assert stop - start == 1 or int(iov.local[start:stop, 1].sum()) <= seg
+        assert nbytes == int(iov.local[start:stop, 1].sum())
+        assert stop - start == 1 or nbytes <= seg
 
 
 def test_partial_writes_are_continued(

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd_connector.transport.base import BlockCopy
-from pd_connector.transport.coalesce import check_bounds, coalesce, coalesce_runs
+from pd_connector.transport.coalesce import coalesce
+from pd_connector.transport.regions import RegionIndex, RegionInfo, plan
 
 pytestmark = pytest.mark.unit
 
@@ -48,13 +49,36 @@ def test_empty_and_invalid_input() -> None:
         coalesce([BlockCopy(0, 0, 5, 2), BlockCopy(0, 9, 6)])
 
 
+def _index(*regions: tuple[int, int, int]) -> RegionIndex:
+    """(region id, blocks, block bytes) per region, at made-up base addresses."""
+    return RegionIndex(RegionInfo(r, n * b, b, 1000 * (r + 1)) for r, n, b in regions)
+
+
 def test_bounds_are_checked_on_both_sides() -> None:
-    runs = coalesce_runs([BlockCopy(0, 0, 6, 2)])
-    check_bounds(runs, {0: 2}, {0: 8})
-    with pytest.raises(ValueError, match="reaches block 7"):
-        check_bounds(runs, {0: 2}, {0: 7})
-    with pytest.raises(ValueError, match="remote side"):
-        check_bounds(runs, {0: 2}, {1: 8})
+    copies = [BlockCopy(0, 0, 6, 2)]
+    assert plan(copies, _index((0, 2, 4)), _index((0, 8, 4))).nbytes == 8
+    with pytest.raises(ValueError, match="reaches block 7 but local has 2 and remote has 7"):
+        plan(copies, _index((0, 2, 4)), _index((0, 7, 4)))
+    with pytest.raises(ValueError, match="reaches block 7 but local has 1 and remote has 8"):
+        plan(copies, _index((0, 1, 4)), _index((0, 8, 4)))
+    with pytest.raises(ValueError, match="region 0 is not registered on the remote side"):
+        plan(copies, _index((0, 2, 4)), _index((1, 8, 4)))
+    with pytest.raises(ValueError, match="region 0 is not registered on the local side"):
+        plan(copies, _index(), _index((0, 8, 4)))
+    with pytest.raises(ValueError, match="region 0: local blocks are 4 bytes, remote 8"):
+        plan(copies, _index((0, 2, 4)), _index((0, 8, 8)))
+
+
+def test_plan_gives_byte_spans_and_absolute_addresses() -> None:
+    """Runs become byte offsets per region and absolute starts on both sides (what cma and UCX post)."""
+    copies = [BlockCopy(3, 1, 0), BlockCopy(3, 2, 1), BlockCopy(1, 0, 5)]
+    local, remote = _index((1, 4, 16), (3, 4, 8)), _index((1, 8, 16), (3, 2, 8), (7, 1, 1))
+    spans = plan(copies, local, remote)
+    assert spans.table.tolist() == [[1, 0, 80, 16], [3, 8, 0, 16]]
+    assert spans.nbytes == 32
+    assert spans.local_address.tolist() == [2000, 4008]
+    assert spans.remote_address.tolist() == [2080, 4000]
+    assert plan([], local, remote).nbytes == 0
 
 
 @settings(max_examples=50, deadline=None)
