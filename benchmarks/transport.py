@@ -35,9 +35,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
-from pd_connector.transport.cma import CmaConfig
+from pd_connector.transport.cma import CmaConfig, build_iovecs, call_bounds, decode_descriptor, vm_call
 from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
+from pd_connector.transport.regions import RegionIndex, RegionTable, plan
 from pd_connector.transport.ucx import UcxConfig
 
 #: The environment before anything imported ucxx, which sets UCX_RNDV_FRAG_MEM_TYPE=cuda and UCX_RNDV_THRESH
@@ -309,14 +310,48 @@ class OursPath(Path):
         self.copies = {str(i): message_copies(i) for i in range(len(SIZES))}
         self.layers = [layer_copies(layer) for layer in range(LAYERS)]
 
+    def batches(self) -> dict[str, list[list[BlockCopy]]]:
+        """Per case, the writes one run issues (one per message set; one per layer for ``kv``)."""
+        return {**{case: [copies] for case, copies in self.copies.items()}, "kv": self.layers}
+
     def run(self, case: str) -> None:
-        batches = self.layers if case == "kv" else [self.copies[case]]
-        for future in [self.sender.write("receiver", copies) for copies in batches]:
+        for future in [self.sender.write("receiver", copies) for copies in self.batches()[case]]:
             future.result(120)
 
     def close(self) -> None:
         self.sender.close()
         super().close()
+
+
+class CmaSyscallPath(Path):
+    """The bare system call under our ``cma`` path: the same iovecs, planned before the clock starts, and
+    ``process_vm_writev`` in a loop on this thread (no I/O thread, no futures). What any CMA-based transport,
+    UCX's shared-memory path included, can reach; ``cma`` / this is what our transport costs on top."""
+
+    def __init__(self, ours: OursPath) -> None:
+        desc = decode_descriptor(ours.receiver.descriptor) if ours.receiver else None
+        assert desc is not None
+        self.pid = desc.pid
+        table = RegionTable()
+        table.add(ours.memory.regions())
+        local, remote = table.index(), RegionIndex(desc.regions)
+        segment = CmaConfig().segment_bytes
+        self.iovecs = {
+            case: [build_iovecs(plan(copies, local, remote), segment) for copies in batches]
+            for case, batches in ours.batches().items()
+        }
+        self.calls = {
+            case: [call_bounds(iov.local[:, 1], segment) for iov in iovecs]
+            for case, iovecs in self.iovecs.items()
+        }
+
+    def run(self, case: str) -> None:
+        for iovecs, calls in zip(self.iovecs[case], self.calls[case], strict=True):
+            for start, stop, nbytes in calls:
+                if vm_call(True, self.pid, iovecs, start, stop) != nbytes:
+                    raise RuntimeError(
+                        "process_vm_writev moved fewer bytes than asked (the bare loop does not resume)"
+                    )
 
 
 class RawSocketPath(Path):
@@ -444,8 +479,13 @@ PATHS: dict[str, tuple[list[str], bool]] = {
     "ucx_sm_512k": (CASES, False),
 }
 DEFAULT_PATHS = [name for name in PATHS if name != "ucx_sm_512k"]
-#: Same-host paths whose sender also times the memcpy ceiling on the same source memory, run for run.
-PAIRED = ("ucx_sm", "cma", "ucx_sm_512k")
+#: Same-host paths whose sender also times, run for run on the same source memory, the memcpy ceiling and
+#: (``cma``) the bare system call underneath.
+PAIRED: dict[str, list[str]] = {
+    "ucx_sm": ["ceiling"],
+    "cma": ["ceiling", "syscall"],
+    "ucx_sm_512k": ["ceiling"],
+}
 
 
 def make_path(name: str, memory: Memory, huge: bool) -> Path:
@@ -468,25 +508,26 @@ def _huge_arg(huge: bool) -> list[str]:
 
 def drive(name: str, huge: bool) -> None:
     """Sender process for one path: ``READY``, then per stdin line ``run CASE`` -> ``SECONDS t``,
-    ``ceiling CASE`` -> ``SECONDS t`` (the memcpy ceiling in this process, on the same source memory, for
-    ``PAIRED`` paths), ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL
+    ``ceiling CASE`` / ``syscall CASE`` -> ``SECONDS t`` (the memcpy ceiling / the bare system call in this
+    process, on the same source memory, for ``PAIRED`` paths), ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL
     bundles UCX 1.23, ucxx uses 1.21: they must not share a process)."""
     memory = Memory(fill=True, huge=huge)
     path = make_path(name, memory, huge)
-    ceiling = MemcpyPath(memory, huge) if name in PAIRED else None
+    runners: dict[str, Path] = {"run": path}
+    if name in PAIRED:
+        runners["ceiling"] = MemcpyPath(memory, huge)
+    if isinstance(path, OursPath) and "syscall" in PAIRED.get(name, []):
+        runners["syscall"] = CmaSyscallPath(path)
     try:
         for case in PATHS[name][0]:
-            path.run(case)  # warm-up: connection set-up, registration caches, page faults
-            if ceiling is not None:
-                ceiling.run(case)
+            for runner in runners.values():
+                runner.run(case)  # warm-up: connection set-up, registration caches, page faults
         print("READY", flush=True)
         for line in sys.stdin:
             command = line.split()
-            if command[0] in ("run", "ceiling"):
-                runner = path if command[0] == "run" else ceiling
-                assert runner is not None, f"{name} has no paired ceiling"
+            if command[0] in runners:
                 start = time.perf_counter()
-                runner.run(command[1])
+                runners[command[0]].run(command[1])
                 print("SECONDS", time.perf_counter() - start, flush=True)
             elif command[0] == "idle":
                 print("IDLE", path.idle_cpu_percent(), flush=True)
@@ -582,12 +623,17 @@ def main() -> None:
             driver = Driver(name, not args.no_huge_pages)
             try:
                 for case in PATHS[name][0]:
-                    for _ in range(args.samples):
-                        ours = driver.ask(f"run {case}", "SECONDS")
-                        seconds.setdefault((name, case), []).append(ours)
-                        if name in PAIRED:
-                            ceiling = driver.ask(f"ceiling {case}", "SECONDS")
-                            paired.setdefault((name, case), []).append(ceiling / ours)
+                    for sample in range(args.samples):
+                        # paired kinds take turns going first, so none always inherits another's caches
+                        kinds = ["run", *PAIRED.get(name, [])]
+                        kinds = kinds[sample % len(kinds) :] + kinds[: sample % len(kinds)]
+                        timed = {kind: driver.ask(f"{kind} {case}", "SECONDS") for kind in kinds}
+                        seconds.setdefault((name, case), []).append(timed.pop("run"))
+                        for kind, t in timed.items():
+                            seconds.setdefault((f"{name}/{kind}", case), []).append(t)
+                            paired.setdefault((f"{name}/{kind}", case), []).append(
+                                t / seconds[name, case][-1]
+                            )
                 if rep == args.reps - 1 and PATHS[name][1]:
                     idle["ours" if name == "ucx_sm" else name] = driver.ask("idle", "IDLE")
             finally:
@@ -606,6 +652,14 @@ def main() -> None:
         "sizes": SIZES,
         "gbps": gbps,
         "kv_shaped_gbps": kv_gbps,
+        # what each same-host path's sender timed run for run besides itself (see ``ratios``)
+        "paired_gbps": {
+            f"{name}/{kind}": [
+                round(case_bytes(c) / statistics.median(seconds[f"{name}/{kind}", c]) / 1e9, 3) for c in CASES
+            ]
+            for name in names
+            for kind in PAIRED.get(name, [])
+        },
         "idle_cpu_percent": {k: round(v, 2) for k, v in idle.items()},
         "reps": args.reps,
         "samples": args.samples,
@@ -636,15 +690,26 @@ def ratios(
     """The issue's targets as ratios of figures from this run (those whose paths were measured).
 
     ``X_vs_memcpy_*``: median of the run-for-run ratios against the memcpy ceiling timed in the same sender
-    process on the same source memory (``paired``); ``X_vs_memcpy_*_separate``: the same ratio from the two
-    medians of separate processes (the ``memcpy`` row), which adds their process-to-process spread.
+    process on the same source memory (``paired``, keyed ``X/ceiling``); ``X_vs_memcpy_*_separate``: the
+    same ratio from the two medians of separate processes (the ``memcpy`` row), which adds their
+    process-to-process spread. ``cma_syscall_*``: the bare ``process_vm_writev`` loop, against the ceiling
+    and as what our ``cma`` reaches of it (what the transport itself costs).
     """
     i64, i1m, i16m = SIZES.index(64 << 10), SIZES.index(1 << 20), SIZES.index(16 << 20)
     out: dict[str, float | bool] = {}
+    for label, case in (("16MiB", str(i16m)), ("1MiB", str(i1m)), ("kv", "kv")):
+        for name in ("ucx_sm", "cma"):
+            if (f"{name}/ceiling", case) in paired:
+                out[f"{name}_vs_memcpy_{label}"] = round(
+                    statistics.median(paired[f"{name}/ceiling", case]), 3
+                )
+        if ("cma/syscall", case) in paired and ("cma/ceiling", case) in paired:
+            bare = [
+                c / s for c, s in zip(paired["cma/ceiling", case], paired["cma/syscall", case], strict=True)
+            ]
+            out[f"cma_syscall_vs_memcpy_{label}"] = round(statistics.median(bare), 3)
+            out[f"cma_vs_syscall_{label}"] = round(statistics.median(paired["cma/syscall", case]), 3)
     for name in ("ucx_sm", "cma"):
-        for label, case in (("16MiB", str(i16m)), ("1MiB", str(i1m)), ("kv", "kv")):
-            if (name, case) in paired:
-                out[f"{name}_vs_memcpy_{label}"] = round(statistics.median(paired[name, case]), 3)
         if name in gbps and "memcpy" in gbps:
             out[f"{name}_vs_memcpy_16MiB_separate"] = round(gbps[name][i16m] / gbps["memcpy"][i16m], 3)
             out[f"{name}_vs_memcpy_kv_separate"] = round(kv[name] / kv["memcpy"], 3)

@@ -14,9 +14,10 @@ Who calls what:
 - Sender (P), engine thread: ``attach`` refuses peers on another host or in another pid namespace at once;
   the I/O thread then opens a pidfd on the peer and reads back the token and writes it again (proving the pid
   is the registering process and that the kernel lets us write into it: same user, ptrace permission).
-  ``write`` hands the copies to the I/O thread, which coalesces them, cuts runs into ``segment_bytes``
-  pieces and issues one syscall per at most ``segment_bytes`` / ``IOV_MAX`` pieces, continuing after partial
-  writes, and resolves the future with the byte count.
+  ``write`` coalesces and checks the copies and cuts runs into ``segment_bytes`` pieces on the calling
+  thread (so the next layer is planned while the I/O thread copies this one), then hands the iovecs to the
+  I/O thread, which issues one syscall per at most ``segment_bytes`` / ``IOV_MAX`` pieces, continuing after
+  partial writes, and resolves the future with the byte count.
 
 The I/O thread is a ``LoopThread`` used as a work queue (it sleeps in epoll when idle). Syscalls run there
 through ctypes, which releases the GIL, so engine threads keep running while bytes move. Futures resolve on
@@ -132,6 +133,15 @@ class Iovecs:
         for iov in (self.local, self.remote):
             iov[index, 0] += np.uint64(nbytes)
             iov[index, 1] -= np.uint64(nbytes)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A write checked and turned into iovecs for ``peer`` (by ``write`` on the engine thread)."""
+
+    peer: _Peer
+    iovecs: Iovecs
+    nbytes: int
 
 
 @functools.cache
@@ -263,12 +273,21 @@ class CmaTransport(Transport):
         return self._call(lambda: self._connect(peer_id, desc))
 
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        """Plan on the calling thread, copy on the I/O thread: while the I/O thread copies one layer (GIL
+        released in the syscall) the engine thread already plans the next, so planning costs no copy time."""
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
+        planned: _Planned | None = None
+        if (peer := self._peers.get(peer_id)) is not None:  # attach/detach replace entries, never mutate them
+            try:
+                planned = self._plan(peer, copies)
+            except ValueError as exc:
+                fail(future, exc)
+                return future
 
         def run() -> None:
             try:
-                self._write(peer_id, copies, future)
+                self._write(peer_id, copies, planned, future)
             except Exception as exc:  # a bug must fail the write, not strand its future
                 log.exception("cma transport: write to %s failed", peer_id)
                 fail(future, exc)
@@ -348,7 +367,13 @@ class CmaTransport(Transport):
         self._broken.pop(peer_id, None)
         log.info("cma transport: attached %s (pid %d, %d regions)", peer_id, desc.pid, len(desc.regions))
 
-    def _write(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+    def _plan(self, peer: _Peer, copies: Sequence[BlockCopy]) -> _Planned:
+        spans = plan(copies, self._regions.index(), peer.remote)
+        return _Planned(peer, build_iovecs(spans, self.config.segment_bytes), spans.nbytes)
+
+    def _write(
+        self, peer_id: str, copies: Sequence[BlockCopy], planned: _Planned | None, future: Future[int]
+    ) -> None:
         if self._closing:  # queued before close(): fail fast instead of copying into a peer nobody waits for
             fail(future, CmaError(f"cma transport closed before the write to {peer_id} ran"))
             return
@@ -359,18 +384,19 @@ class CmaTransport(Transport):
                 self._broken.get(peer_id) or CmaError(f"cma transport: peer {peer_id!r} is not attached"),
             )
             return
-        try:
-            spans = plan(copies, self._regions.index(), peer.remote)
-        except ValueError as exc:
-            fail(future, exc)
-            return
-        if spans.nbytes:
-            error = self._copy(peer_id, peer, build_iovecs(spans, self.config.segment_bytes))
+        if planned is None or planned.peer is not peer:  # attached (again) after write() planned
+            try:
+                planned = self._plan(peer, copies)
+            except ValueError as exc:
+                fail(future, exc)
+                return
+        if planned.nbytes:
+            error = self._copy(peer_id, peer, planned.iovecs)
             if error is not None:
                 self._drop(peer_id, error)
                 fail(future, error)
                 return
-        future.set_result(spans.nbytes)
+        future.set_result(planned.nbytes)
 
     def _copy(self, peer_id: str, peer: _Peer, iovecs: Iovecs) -> CmaError | None:
         """Write every piece, call by call, continuing after partial writes; the error that stopped it."""

@@ -44,7 +44,7 @@ from .base import BlockCopy, MemoryRegion, Transport
 from .futures import fail as _fail
 from .futures import failed as _failed
 from .host import host_id
-from .regions import RegionIndex, RegionInfo, RegionTable, plan
+from .regions import RegionIndex, RegionInfo, RegionTable, Spans, plan
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,31 @@ class _Peer:
     remote: RegionIndex
     rkeys: dict[int, int]
     pidfd: int | None = None
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A write checked and grouped per region as ``put_many`` takes it, for ``peer`` (by ``write``)."""
+
+    peer: _Peer
+    #: (region, local addresses, sizes, remote addresses) per region
+    groups: list[tuple[int, list[int], list[int], list[int]]]
+    nbytes: int
+
+    @classmethod
+    def of(cls, peer: _Peer, spans: Spans) -> _Planned:
+        groups = []
+        for region in np.unique(spans.table[:, 0]).tolist():
+            rows = spans.table[:, 0] == region
+            groups.append(
+                (
+                    region,
+                    spans.local_address[rows].tolist(),
+                    spans.table[rows, 3].tolist(),
+                    spans.remote_address[rows].tolist(),
+                )
+            )
+        return cls(peer, groups, spans.nbytes)
 
 
 @dataclass
@@ -195,10 +220,19 @@ class UcxTransport(Transport):
         return self._call(lambda: self._connect(peer_id, desc))
 
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
+        """Plan on the calling thread, post on the I/O thread: while the I/O thread moves one layer the
+        engine thread already plans the next, so planning costs no transfer time."""
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
+        planned: _Planned | None = None
+        if (peer := self._peers.get(peer_id)) is not None:  # attach/detach replace entries, never mutate them
+            try:
+                planned = _Planned.of(peer, plan(copies, self._regions.index(), peer.remote))
+            except ValueError as exc:
+                _fail(future, exc)
+                return future
         try:
-            self._submit(lambda: self._post(peer_id, copies, future))
+            self._submit(lambda: self._post(peer_id, copies, planned, future))
         except RuntimeError as exc:
             future.set_exception(exc)
         return future
@@ -380,7 +414,9 @@ class UcxTransport(Transport):
         self._peers[peer_id] = peer
         log.info("ucx transport: attached %s (%d regions)", peer_id, len(rkeys))
 
-    def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
+    def _post(
+        self, peer_id: str, copies: Sequence[BlockCopy], planned: _Planned | None, future: Future[int]
+    ) -> None:
         if self._watched:
             self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
         peer = self._peers.get(peer_id)
@@ -392,8 +428,9 @@ class UcxTransport(Transport):
             )
             return
         try:
-            spans = plan(copies, self._regions.index(), peer.remote)
-            missing = set(spans.table[:, 0].tolist()) - self._memh.keys()
+            if planned is None or planned.peer is not peer:  # attached (again) after write() planned
+                planned = _Planned.of(peer, plan(copies, self._regions.index(), peer.remote))
+            missing = {group[0] for group in planned.groups} - self._memh.keys()
             if missing:
                 raise ValueError(f"regions {sorted(missing)} are not registered locally")
         except ValueError as exc:
@@ -401,23 +438,15 @@ class UcxTransport(Transport):
             return
         ep = peer.handle
         try:
-            for region in np.unique(spans.table[:, 0]).tolist():
-                rows = spans.table[:, 0] == region
-                self._poster.put_many(
-                    ep,
-                    spans.local_address[rows].tolist(),
-                    spans.table[rows, 3].tolist(),
-                    spans.remote_address[rows].tolist(),
-                    peer.rkeys[region],
-                    self._memh[region],
-                )
+            for region, local, sizes, remote in planned.groups:
+                self._poster.put_many(ep, local, sizes, remote, peer.rkeys[region], self._memh[region])
             request = self._poster.flush(ep)
         except ucp_ffi.UcpError as exc:
             self._drop(peer_id, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
             _fail(future, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
             return
         self._pending.append(
-            _Pending(peer_id, request, spans.nbytes, future, time.monotonic() + self.config.write_timeout_s)
+            _Pending(peer_id, request, planned.nbytes, future, time.monotonic() + self.config.write_timeout_s)
         )
 
     def _drop(self, peer_id: str, error: Exception, quiet: bool = False) -> None:
