@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
+from typing import Any
 
 import numpy as np
 import pytest
@@ -162,3 +163,52 @@ def test_detach_from_a_done_callback_does_not_deadlock(kind: str, tls: str) -> N
         assert transport.attached_peers() == []  # type: ignore[attr-defined]
     finally:
         transport.close()
+
+
+# -- planning on the calling thread ---------------------------------------------------------------------------------
+#: Transports whose ``write`` plans on the calling thread (tcp plans on its event loop, next to the socket).
+CALLER_PLANNED = [t for t in TRANSPORTS if t[0] in ("cma", "ucx") and t[1] != "tcp,self"]
+
+
+@pytest.fixture(params=CALLER_PLANNED, ids=["cma", "ucx_sm"])
+def caller_planned(request: pytest.FixtureRequest) -> Iterator[tuple[Any, str, str]]:
+    kind, tls = request.param
+    sender = build(kind, tls)
+    yield sender, kind, tls
+    sender.close()
+
+
+def test_a_bad_write_fails_before_it_is_queued(
+    caller_planned: tuple[Any, str, str], peer_factory: type[PeerProcess]
+) -> None:
+    sender, kind, tls = caller_planned
+    peer = peer_factory(kind, tls, 1, 4, 4096)
+    _, regions = local_regions(1, 4, 4096, seed=1)
+    sender.register(regions)
+    sender.attach("p", peer.descriptor).result(10)
+    future = sender.write("p", [BlockCopy(0, 0, 4)])  # block 4 of 4: past the peer's end
+    assert future.done()  # planned on this thread: no trip through the I/O thread
+    with pytest.raises(ValueError, match="reaches block 4 but local has 4 and remote has 4"):
+        future.result(0)
+
+
+def test_a_write_planned_before_a_re_attach_lands_in_the_new_peer(
+    caller_planned: tuple[Any, str, str], peer_factory: type[PeerProcess]
+) -> None:
+    """``write`` plans against the peer attached when it is called; if ``attach`` replaces that peer before
+    the I/O thread runs the write, the write is planned again for the new one (its addresses differ)."""
+    sender, kind, tls = caller_planned
+    old, new = peer_factory(kind, tls, 1, 4, 4096), peer_factory(kind, tls, 1, 4, 4096)
+    src, regions = local_regions(1, 4, 4096, seed=5)
+    sender.register(regions)
+    sender.attach("p", old.descriptor).result(10)
+    gate = threading.Event()
+    sender._submit(lambda: gate.wait(10))  # hold the I/O thread so both calls below queue up behind it
+    attached = sender.attach("p", new.descriptor)
+    written = sender.write("p", [BlockCopy(0, 0, 3), BlockCopy(0, 1, 0)])
+    gate.set()
+    attached.result(10)
+    assert written.result(10) == 2 * 4096
+    new.mirror[0, 3], new.mirror[0, 0] = src[0, 0], src[0, 1]
+    assert new.digests() == new.expected_digests()
+    assert old.digests() == old.expected_digests()  # untouched: still all zeros
