@@ -137,16 +137,15 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until the next parser event or the connection's end."""
+    def wait(self) -> asyncio.Future[None]:
+        """A future done at the next parser event or the connection's end (a plain future, not a coroutine:
+        the relay waits on it once per streamed event)."""
         self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        return self._waiter
 
     def send(self, data: bytes) -> None:
         """Start a new exchange on this (idle or new) connection; llhttp's parser carries over between

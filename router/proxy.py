@@ -30,7 +30,7 @@ from aiohttp import web
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.errors import ApiError, overloaded
-from router.http1 import Pool, Response
+from router.http1 import HttpError, Pool, Response
 from router.metrics import RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
 from router.requests import Parsed
@@ -43,9 +43,9 @@ from router.upstream import (
     post_json,
     prefill_body,
     read_event,
-    read_some,
     returned_params,
     transfer_id,
+    wrap_error,
 )
 
 log = logging.getLogger("router.proxy")
@@ -361,11 +361,10 @@ class Proxy:
         ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
         """
         itl = self.metrics.itl_for(route)
-        last = time.monotonic()
+        last = armed = time.monotonic()
         idle = self.cfg.timeouts.idle_s
         loop = asyncio.get_running_loop()
         batch, rest = first, b""
-        armed = loop.time()
         try:
             async with asyncio.timeout(idle) as guard:
                 while True:
@@ -387,11 +386,11 @@ class Proxy:
                         resp.release()  # keep-alive: the connection serves the next leg
                         return None
                     # Push the idle deadline out only every quarter of it (a timer per event costs more).
-                    if loop.time() - armed > idle / 4:
-                        armed = loop.time()
-                        guard.reschedule(armed + idle)
+                    if last - armed > idle / 4:
+                        armed = last
+                        guard.reschedule(loop.time() + idle)
                     while True:
-                        data = await read_some(resp, worker)
+                        data = await resp.read_some()
                         if not data:
                             return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
                         rest += data
@@ -401,8 +400,8 @@ class Proxy:
                             break
         except TimeoutError:
             return UpstreamError("timeout", f"{worker.url} sent nothing for about {idle}s")
-        except UpstreamError as e:
-            return e
+        except HttpError as e:
+            return wrap_error(e, worker)
 
     async def _resume(
         self,
