@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import logging
 import math
 import os
 import statistics
@@ -459,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
+    # sglang-router opens connections with an HTTP/2 preface, which the in-process upstream's aiohttp server
+    # logs as a bad request with a traceback; a real failure of the upstream fails a request here instead.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(_run(args, Path(tmp)))
