@@ -20,8 +20,9 @@ per round, router minus direct of the same round, median over rounds (``added_e2
 upstream's own spread between runs enters it). Rounds rotate the order direct/ours/sglang.
 
 Max requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
-completions (the router's per-request cost, not the upstream's streaming cost), with the CPU time each
-server's processes used per request meanwhile (from /proc: less sensitive to other load than rates). The load
+completions (the router's per-request cost, not the upstream's streaming cost), driven from a child process
+(also on core 1: the upstream keeps this process's loop), with the CPU time each router's processes used per
+request meanwhile (from /proc: less sensitive to other load than rates). The load
 generator speaks raw HTTP/1.1 on keep-alive sockets (llhttp parses the answers) so it adds as little as
 possible.
 
@@ -36,12 +37,14 @@ import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -230,20 +233,48 @@ async def latencies(port: int, concurrency: int, per_conn: int, spread_s: float 
     return out
 
 
-async def max_rps(port: int, seconds: float, pgid: int | None, concurrency: int = 64) -> tuple[float, float]:
-    """Requests/s in a closed loop, and the CPU microseconds per request meanwhile of process group
-    ``pgid`` (nan without one)."""
-    payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
+def _closed_loops(port: int, seconds: float, concurrency: int) -> tuple[int, float]:
+    """``concurrency`` closed loops of short non-streamed completions for ``seconds``: (answers, elapsed s).
+
+    Runs in a child process (``max_rps``): the upstream lives in the benchmark's process and event loop, so a
+    load generator there would share that loop with it and saturate before the routers do.
+    """
+
+    async def run() -> tuple[int, float]:
+        payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
+        done: list[ClientStamps] = []
+        start = time.perf_counter()
+        stop = start + seconds
+        await asyncio.gather(
+            *(_conn_loop(port, lambda: ("", payload), None, stop, done) for _ in range(concurrency))
+        )
+        return len(done), time.perf_counter() - start
+
+    _use_uvloop()
+    return asyncio.run(run())
+
+
+async def max_rps(
+    port: int, seconds: float, pgid: int | None, pool: ProcessPoolExecutor, concurrency: int = 64
+) -> tuple[float, float]:
+    """Requests/s in closed loops driven from ``pool``'s process, and the CPU microseconds per request
+    meanwhile of process group ``pgid`` (nan without one)."""
     await latencies(port, 8, 5)  # warm connections and code paths
-    done: list[ClientStamps] = []
-    cpu0, start = (process_group_cpu_seconds(pgid) if pgid else 0.0), time.perf_counter()
-    await asyncio.gather(
-        *(_conn_loop(port, lambda: ("", payload), None, start + seconds, done) for _ in range(concurrency))
-    )
-    rps = len(done) / (time.perf_counter() - start)
+    cpu0 = process_group_cpu_seconds(pgid) if pgid else 0.0
+    loop = asyncio.get_running_loop()
+    count, elapsed = await loop.run_in_executor(pool, _closed_loops, port, seconds, concurrency)
     if pgid is None:
-        return rps, math.nan
-    return rps, (process_group_cpu_seconds(pgid) - cpu0) / len(done) * 1e6
+        return count / elapsed, math.nan
+    return count / elapsed, (process_group_cpu_seconds(pgid) - cpu0) / count * 1e6
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
 
 
 def _routers(tokenizer: Path, tmp: Path, upstream: str) -> dict[str, ManagedServer]:
@@ -375,18 +406,19 @@ async def measure(
     }
     rps: dict[str, list[float]] = {name: [] for name in TARGETS}
     cpu: dict[str, list[float]] = {name: [] for name in TARGETS}
-    for rep in range(reps):
-        for name in TARGETS:
-            # The direct upstream shares this process with the load generator: no CPU figure of its own.
-            rate, cpu_us = await max_rps(
-                ports[name], rps_seconds, routers[name].pid if name in routers else None
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        await asyncio.get_running_loop().run_in_executor(pool, _use_uvloop)  # start it before measuring
+        for rep in range(reps):
+            for name in TARGETS:
+                # The direct upstream is this process, which also serves the routers' legs: no CPU figure.
+                pgid = routers[name].pid if name in routers else None
+                rate, cpu_us = await max_rps(ports[name], rps_seconds, pgid, pool)
+                rps[name].append(rate)
+                cpu[name].append(cpu_us)
+            log(
+                f"rep {rep} max rps: "
+                + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in TARGETS)
             )
-            rps[name].append(rate)
-            cpu[name].append(cpu_us)
-        log(
-            f"rep {rep} max rps: "
-            + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in TARGETS)
-        )
     return {
         "added_ms": added,
         "max_rps": {
@@ -454,12 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").exists():
         parser.error(f"no tokenizer.json in {args.tokenizer} (run `make model` or pass --tokenizer)")
-    try:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
+    _use_uvloop()
     # sglang-router opens connections with an HTTP/2 preface, which the in-process upstream's aiohttp server
     # logs as a bad request with a traceback; a real failure of the upstream fails a request here instead.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
