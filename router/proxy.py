@@ -551,7 +551,7 @@ class _Pump:
             if batch.endswith(DONE):
                 self.done = True
                 self._resp.wake()
-            elif self._transport.get_write_buffer_size() > _HIGH_WATER:
+            elif not self.paused and self._transport.get_write_buffer_size() > _HIGH_WATER:
                 self.paused = True
                 self._resp.pause_reading(True)
                 self._resp.wake()
