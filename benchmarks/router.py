@@ -5,14 +5,26 @@
 Processes: a fake vLLM upstream (``pd_disagg.fake_vllm``, exact vLLM framing, no model) and this load
 generator share core 1; ``pd-router`` and ``sglang-router`` (0.3.2, from PyPI) are pinned to core 0 with
 taskset, one core each in turn (both idle while the other is measured). Every request is a streamed 64-token
-completion; latency is send-to-last-byte. By default the upstream sends its 64 events as fast as it can, so
-a router pays its per-event cost (a receive and a send per event) back to back: the worst case for a relay.
-``--token-delay-ms`` paces tokens like an engine instead (on a loaded machine, timer jitter then dominates). Added latency = router percentile - direct percentile, measured in
-the same round; rounds rotate direct/ours/sglang and the median over ``--reps`` rounds is reported. Max
-requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
-completions (the router's per-request cost, not the upstream's streaming cost), with the CPU time each server's
-processes used per request meanwhile (from /proc: less sensitive to other load than rates). The load generator speaks
-raw HTTP/1.1 on keep-alive sockets so the client adds as little as possible.
+completion. The upstream paces its tokens (``--token-delay-ms``, default 5 ms: 200 tokens/s per stream, faster
+than an engine serving 64 streams decodes each of them); ``--token-delay-ms 0`` sends the 64 events as fast
+as it can, the relay's stress case (at c64 that measures saturation, like the max-rps runs).
+
+Added latency, per request: the upstream stamps when a request arrived and when it handed its first and its
+``[DONE]`` event to the socket; this load generator stamps when it sent the request and when the first and
+last body bytes came back, all on CLOCK_MONOTONIC (one clock for every process on the host). A request's
+*transit* = (arrived - sent) + (last byte back - [DONE] sent): the time spent outside the upstream, which
+excludes the upstream's own pacing and scheduling jitter. Added = transit percentile through a router minus
+transit percentile on the direct path, over all requests of all rounds (``added_ms``); the same for the
+first event (``added_ttft_ms``). The older end-to-end figures stay alongside: send-to-last-byte percentiles
+per round, router minus direct of the same round, median over rounds (``added_e2e_ms``: noisy, since the
+upstream's own spread between runs enters it). Rounds rotate the order direct/ours/sglang.
+
+Max requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
+completions (the router's per-request cost, not the upstream's streaming cost), driven from a child process
+(also on core 1: the upstream keeps this process's loop), with the CPU time each router's processes used per
+request meanwhile (from /proc: less sensitive to other load than rates). The load
+generator speaks raw HTTP/1.1 on keep-alive sockets (llhttp parses the answers) so it adds as little as
+possible.
 
 Progress goes to stderr; the LAST stdout line is the JSON result.
 """
@@ -21,96 +33,253 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import logging
+import math
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import NamedTuple, cast
 
+import httptools
+from aiohttp import web
+
+from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import ManagedServer, free_port, process_group_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"
 CONCURRENCY = (1, 16, 64)
 TOKENS = 64
+DEFAULT_TOKEN_DELAY_MS = 5.0
 # Streamed requests per concurrency level and target, per round.
-REQUESTS = {1: 30, 16: 80, 64: 320}
+REQUESTS = {1: 30, 16: 160, 64: 640}
+TARGETS = ("direct", "ours", "sglang_router")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _request(port: int, body: dict) -> bytes:
-    data = json.dumps(body).encode()
+class ClientStamps(NamedTuple):
+    """One request as the load generator saw it (monotonic ns); ``key`` is the prompt's last word."""
+
+    key: str
+    sent: int
+    first: int  # first body bytes arrived
+    last: int  # last body bytes arrived
+
+
+class Transit(NamedTuple):
+    """Nanoseconds a request spent outside the upstream, from both sides' stamps of it."""
+
+    forward: int  # sent -> the upstream's handler started
+    first_back: int  # the upstream wrote its first event -> the client got the first body bytes
+    last_back: int  # the upstream wrote [DONE] -> the client got the last body bytes
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.last_back
+
+    @property
+    def ttft(self) -> int:
+        return self.forward + self.first_back
+
+
+def transits(client: Sequence[ClientStamps], upstream: Mapping[str, Sequence[int]]) -> list[Transit]:
+    """Join the load generator's stamps with the upstream's (``key -> [arrived, first, done]``)."""
+    out = []
+    for c in client:
+        if c.key not in upstream:
+            raise ValueError(f"the upstream recorded no stamps for request {c.key!r}")
+        arrived, first, done = upstream[c.key]
+        if not c.sent <= arrived <= first <= done <= c.last or c.first < first:
+            raise ValueError(f"stamps of {c.key!r} are out of order: {c} vs {upstream[c.key]}")
+        out.append(Transit(arrived - c.sent, c.first - first, c.last - done))
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def added_ms(through: Sequence[float], direct: Sequence[float]) -> dict[str, float]:
+    """Percentiles (ns samples) through a router minus the same percentiles on the direct path, in ms."""
+    return {f"p{round(q * 100)}": round((pct(through, q) - pct(direct, q)) / 1e6, 3) for q in (0.5, 0.99)}
+
+
+class _Exchange(asyncio.Protocol):
+    """One keep-alive client connection: send a request, stamp when its body starts and ends arriving."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._done: asyncio.Future[None] | None = None
+        self._status = 0
+        self.first = self.last = 0
+        self.body = bytearray()
+        self.keep_body = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._finish(RuntimeError(f"malformed response: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._finish(ConnectionError("the server closed the connection"))
+
+    def on_headers_complete(self) -> None:
+        self._status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self.last = time.monotonic_ns()
+        self.first = self.first or self.last
+        if self.keep_body:
+            self.body += body
+
+    def on_message_complete(self) -> None:
+        self._finish(None if self._status == 200 else RuntimeError(f"status {self._status}"))
+
+    def _finish(self, error: Exception | None) -> None:
+        if self._done is not None and not self._done.done():
+            if error is None:
+                self._done.set_result(None)
+            else:
+                self._done.set_exception(error)
+
+    async def exchange(self, payload: bytes) -> int:
+        """Send one request and wait for its whole response; returns the monotonic ns it was sent at."""
+        assert self.transport is not None
+        self._done = asyncio.get_running_loop().create_future()
+        self.first = self.last = 0
+        self.body.clear()
+        sent = time.monotonic_ns()
+        self.transport.write(payload)
+        async with asyncio.timeout(60):
+            await self._done
+        return sent
+
+
+async def _connect(port: int) -> _Exchange:
+    _, conn = await asyncio.get_running_loop().create_connection(_Exchange, "127.0.0.1", port)
+    return conn
+
+
+def _request(port: int, body: dict, method: str = "POST", path: str = "/v1/completions") -> bytes:
+    data = json.dumps(body).encode() if body else b""
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     )
     return head.encode() + data
 
 
-async def _read_response(reader: asyncio.StreamReader) -> None:
-    """Read one HTTP/1.1 response (Content-Length or chunked) and check it is a 200."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"bad response: {head[:200]!r}")
-    lower = head.lower()
-    if b"transfer-encoding: chunked" in lower:
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            await reader.readexactly(size + 2)
-            if size == 0:
-                return
-    length = int(lower.split(b"content-length:")[1].split(b"\r\n")[0])
-    await reader.readexactly(length)
+_keys = itertools.count()
+
+
+def _streamed(port: int) -> tuple[str, bytes]:
+    """A streamed completion whose prompt ends in a fresh key word (the upstream stamps it under that key)."""
+    key = f"k{next(_keys)}"
+    body = {"model": MODEL, "prompt": f"hello world {key}", "max_tokens": TOKENS, "stream": True}
+    return key, _request(port, body)
 
 
 async def _conn_loop(
-    port: int, payload: bytes, count: int | None, stop_at: float | None, lat: list[float]
+    port: int,
+    make: Callable[[], tuple[str, bytes]],
+    count: int | None,
+    stop_at: float | None,
+    out: list[ClientStamps],
+    delay_s: float = 0.0,
 ) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    conn = await _connect(port)
+    await asyncio.sleep(delay_s)
     try:
         done = 0
         while (count is None or done < count) and (stop_at is None or time.perf_counter() < stop_at):
-            t0 = time.perf_counter()
-            writer.write(payload)
-            await _read_response(reader)
-            lat.append(time.perf_counter() - t0)
+            key, payload = make()
+            sent = await conn.exchange(payload)
+            out.append(ClientStamps(key, sent, conn.first, conn.last))
             done += 1
     finally:
-        writer.close()
+        assert conn.transport is not None
+        conn.transport.close()
 
 
-async def latencies(port: int, concurrency: int, per_conn: int) -> list[float]:
-    payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": TOKENS, "stream": True})
-    lat: list[float] = []
-    await asyncio.gather(*(_conn_loop(port, payload, per_conn, None, lat) for _ in range(concurrency)))
-    return lat
+async def latencies(port: int, concurrency: int, per_conn: int, spread_s: float = 0.0) -> list[ClientStamps]:
+    """``concurrency`` closed loops of ``per_conn`` streamed requests each; loop i starts ``i / concurrency``
+    of ``spread_s`` late. With ``spread_s`` = one request's duration the loops stay out of phase, as
+    independent clients are: started together they would stay in lockstep (equal durations), and every
+    request would arrive together with all the others, a burst no steady load makes."""
+    out: list[ClientStamps] = []
+    await asyncio.gather(
+        *(
+            _conn_loop(port, lambda: _streamed(port), per_conn, None, out, spread_s * i / concurrency)
+            for i in range(concurrency)
+        )
+    )
+    return out
 
 
-async def max_rps(port: int, seconds: float, pgid: int, concurrency: int = 64) -> tuple[float, float]:
-    """Requests/s in a closed loop, and the server's CPU microseconds per request meanwhile."""
-    payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
+def _closed_loops(port: int, seconds: float, concurrency: int) -> tuple[int, float]:
+    """``concurrency`` closed loops of short non-streamed completions for ``seconds``: (answers, elapsed s).
+
+    Runs in a child process (``max_rps``): the upstream lives in the benchmark's process and event loop, so a
+    load generator there would share that loop with it and saturate before the routers do.
+    """
+
+    async def run() -> tuple[int, float]:
+        payload = _request(port, {"model": MODEL, "prompt": "hello world", "max_tokens": 1})
+        done: list[ClientStamps] = []
+        start = time.perf_counter()
+        stop = start + seconds
+        await asyncio.gather(
+            *(_conn_loop(port, lambda: ("", payload), None, stop, done) for _ in range(concurrency))
+        )
+        return len(done), time.perf_counter() - start
+
+    _use_uvloop()
+    return asyncio.run(run())
+
+
+async def max_rps(
+    port: int, seconds: float, pgid: int | None, pool: ProcessPoolExecutor, concurrency: int = 64
+) -> tuple[float, float]:
+    """Requests/s in closed loops driven from ``pool``'s process, and the CPU microseconds per request
+    meanwhile of process group ``pgid`` (nan without one)."""
     await latencies(port, 8, 5)  # warm connections and code paths
-    lat: list[float] = []
-    cpu0, start = process_group_cpu_seconds(pgid), time.perf_counter()
-    await asyncio.gather(*(_conn_loop(port, payload, None, start + seconds, lat) for _ in range(concurrency)))
-    rps = len(lat) / (time.perf_counter() - start)
-    return rps, (process_group_cpu_seconds(pgid) - cpu0) / len(lat) * 1e6
+    cpu0 = process_group_cpu_seconds(pgid) if pgid else 0.0
+    loop = asyncio.get_running_loop()
+    count, elapsed = await loop.run_in_executor(pool, _closed_loops, port, seconds, concurrency)
+    if pgid is None:
+        return count / elapsed, math.nan
+    return count / elapsed, (process_group_cpu_seconds(pgid) - cpu0) / count * 1e6
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
 
 
-def _servers(tokenizer: Path, tmp: Path, delay_ms: float) -> dict[str, ManagedServer]:
+def _routers(tokenizer: Path, tmp: Path, upstream: str) -> dict[str, ManagedServer]:
     logs = ROOT / "logs" / "bench"
-    up, ours, sgl = free_port(), free_port(), free_port()
-    upstream = f"http://127.0.0.1:{up}"
+    ours, sgl = free_port(), free_port()
     config = tmp / "router.toml"
     config.write_text(
         f'[model]\npath = "{MODEL}"\ntokenizer = {json.dumps(str(tokenizer))}\nmax_model_len = 4096\n'
@@ -121,26 +290,6 @@ def _servers(tokenizer: Path, tmp: Path, delay_ms: float) -> dict[str, ManagedSe
     )
     py = sys.executable
     return {
-        "upstream": ManagedServer(
-            "fake-upstream",
-            [
-                "taskset",
-                "-c",
-                "1",
-                py,
-                "-m",
-                "pd_disagg.fake_vllm",
-                "--port",
-                str(up),
-                "--model",
-                MODEL,
-                "--token-delay-ms",
-                str(delay_ms),
-            ],
-            logs / f"fake-upstream-{up}.log",
-            f"{upstream}/health",
-            cwd=ROOT,
-        ),
         "ours": ManagedServer(
             "pd-router",
             ["taskset", "-c", "0", py, "-m", "router.cli", "--config", str(config), "--port", str(ours)],
@@ -177,84 +326,148 @@ def _port(server: ManagedServer) -> int:
     return int(server.health_url.split(":")[2].split("/")[0])
 
 
+def _ms(ns: float) -> float:
+    return round(ns / 1e6, 3)
+
+
 async def measure(
-    servers: dict[str, ManagedServer], reps: int, scale: int, rps_seconds: float, delay_ms: float
+    engine: FakeEngine,
+    up: int,
+    routers: dict[str, ManagedServer],
+    reps: int,
+    scale: int,
+    rps_seconds: float,
+    delay_ms: float,
 ) -> dict:
-    ports = {
-        "direct": _port(servers["upstream"]),
-        "ours": _port(servers["ours"]),
-        "sglang_router": _port(servers["sglang_router"]),
-    }
+    ports = {"direct": up, **{name: _port(server) for name, server in routers.items()}}
+    spread_s = TOKENS * delay_ms / 1e3  # about one paced request's duration
     for port in ports.values():
         await latencies(port, 16, 20)  # warm-up
-    rounds: dict[str, dict[int, list[tuple[float, float]]]] = {k: {c: [] for c in CONCURRENCY} for k in ports}
+    # Per target and level: every request's transit (pooled over rounds), and per round the end-to-end p50/p99.
+    moved: dict[str, dict[int, list[Transit]]] = {k: {c: [] for c in CONCURRENCY} for k in TARGETS}
+    e2e: dict[str, dict[int, list[tuple[float, float]]]] = {k: {c: [] for c in CONCURRENCY} for k in TARGETS}
     for rep in range(reps):
         for c in CONCURRENCY:
-            order = list(ports)[rep % 3 :] + list(ports)[: rep % 3]
+            order = TARGETS[rep % 3 :] + TARGETS[: rep % 3]
             for name in order:
-                lat = await latencies(ports[name], c, max(1, REQUESTS[c] * scale // c))
-                rounds[name][c].append((pct(lat, 0.5), pct(lat, 0.99)))
+                engine.take_stamps()  # forget anything earlier (warm-up, max-rps probes)
+                seen = await latencies(ports[name], c, max(1, REQUESTS[c] * scale // c), spread_s)
+                moved[name][c] += transits(seen, engine.take_stamps())
+                ends = [s.last - s.sent for s in seen]
+                e2e[name][c].append((pct(ends, 0.5), pct(ends, 0.99)))
             log(
-                f"rep {rep} c{c}: "
+                f"rep {rep} c{c} transit p50/p99 (ms): "
                 + ", ".join(
-                    f"{n} p50 {rounds[n][c][-1][0] * 1e3:.2f} ms p99 {rounds[n][c][-1][1] * 1e3:.2f} ms"
-                    for n in ports
+                    f"{n} {_ms(pct([t.total for t in moved[n][c]], 0.5))}"
+                    f"/{_ms(pct([t.total for t in moved[n][c]], 0.99))}"
+                    for n in TARGETS
                 )
+                + "; end-to-end p99: "
+                + ", ".join(f"{n} {_ms(e2e[n][c][-1][1])}" for n in TARGETS)
             )
     added: dict[str, dict[str, dict[str, float]]] = {}
-    absolute: dict[str, dict[str, dict[str, float]]] = {}
+    added_ttft: dict[str, dict[str, dict[str, float]]] = {}
+    added_e2e: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("ours", "sglang_router"):
-        added[name], absolute[name] = {}, {}
+        added[name], added_ttft[name], added_e2e[name] = {}, {}, {}
         for c in CONCURRENCY:
-            d50 = [r[0] - d[0] for r, d in zip(rounds[name][c], rounds["direct"][c], strict=True)]
-            d99 = [r[1] - d[1] for r, d in zip(rounds[name][c], rounds["direct"][c], strict=True)]
-            added[name][f"c{c}"] = {
-                "p50": round(statistics.median(d50) * 1e3, 3),
-                "p99": round(statistics.median(d99) * 1e3, 3),
+            mine, direct = moved[name][c], moved["direct"][c]
+            added[name][f"c{c}"] = added_ms([t.total for t in mine], [t.total for t in direct])
+            added_ttft[name][f"c{c}"] = added_ms([t.ttft for t in mine], [t.ttft for t in direct])
+            added_e2e[name][f"c{c}"] = {
+                f"p{q}": _ms(
+                    statistics.median(
+                        r[i] - d[i] for r, d in zip(e2e[name][c], e2e["direct"][c], strict=True)
+                    )
+                )
+                for i, q in ((0, 50), (1, 99))
             }
-    for name in ports:
-        absolute[name] = {
+    transit_ms = {
+        name: {
             f"c{c}": {
-                "p50": round(statistics.median(r[0] for r in rounds[name][c]) * 1e3, 3),
-                "p99": round(statistics.median(r[1] for r in rounds[name][c]) * 1e3, 3),
+                "p50": _ms(pct([t.total for t in moved[name][c]], 0.5)),
+                "p99": _ms(pct([t.total for t in moved[name][c]], 0.99)),
+                "forward_p50": _ms(pct([t.forward for t in moved[name][c]], 0.5)),
+                "back_p50": _ms(pct([t.last_back for t in moved[name][c]], 0.5)),
             }
             for c in CONCURRENCY
         }
-    rps: dict[str, list[float]] = {name: [] for name in ports}
-    cpu: dict[str, list[float]] = {name: [] for name in ports}
-    pgids = {
-        "direct": servers["upstream"].pid,
-        "ours": servers["ours"].pid,
-        "sglang_router": servers["sglang_router"].pid,
+        for name in TARGETS
     }
-    for rep in range(reps):
-        for name in ports:
-            rate, cpu_us = await max_rps(ports[name], rps_seconds, pgids[name])
-            rps[name].append(rate)
-            cpu[name].append(cpu_us)
-        log(
-            f"rep {rep} max rps: "
-            + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in ports)
-        )
+    absolute = {
+        name: {
+            f"c{c}": {
+                "p50": _ms(statistics.median(r[0] for r in e2e[name][c])),
+                "p99": _ms(statistics.median(r[1] for r in e2e[name][c])),
+            }
+            for c in CONCURRENCY
+        }
+        for name in TARGETS
+    }
+    rps: dict[str, list[float]] = {name: [] for name in TARGETS}
+    cpu: dict[str, list[float]] = {name: [] for name in TARGETS}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        await asyncio.get_running_loop().run_in_executor(pool, _use_uvloop)  # start it before measuring
+        for rep in range(reps):
+            for name in TARGETS:
+                # The direct upstream is this process, which also serves the routers' legs: no CPU figure.
+                pgid = routers[name].pid if name in routers else None
+                rate, cpu_us = await max_rps(ports[name], rps_seconds, pgid, pool)
+                rps[name].append(rate)
+                cpu[name].append(cpu_us)
+            log(
+                f"rep {rep} max rps: "
+                + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in TARGETS)
+            )
     return {
         "added_ms": added,
         "max_rps": {
             "ours": round(statistics.median(rps["ours"])),
             "sglang_router": round(statistics.median(rps["sglang_router"])),
         },
+        "added_ttft_ms": added_ttft,
+        "added_e2e_ms": added_e2e,
+        "transit_ms": transit_ms,
+        "latency_ms": absolute,
         "direct_max_rps": round(statistics.median(rps["direct"])),
         # CPU time the server spent per request during the max-rps runs (less sensitive to other load).
-        "cpu_us_per_request": {name: round(statistics.median(cpu[name])) for name in ports},
-        "latency_ms": absolute,
+        "cpu_us_per_request": {name: round(statistics.median(cpu[name])) for name in routers},
         "conditions": {
             "reps": reps,
             "requests": {f"c{c}": REQUESTS[c] * scale for c in CONCURRENCY},
             "tokens": TOKENS,
             "upstream_token_delay_ms": delay_ms,
+            "client_start_spread_s": TOKENS * delay_ms / 1e3,
+            "added_method": "transit = (upstream arrival - sent) + (last byte back - upstream [DONE]); "
+            "router percentile - direct percentile, all rounds pooled",
             "router_core": 0,
-            "client_and_upstream_core": 1,
+            "client_and_upstream": "one process (one event loop) on core 1",
         },
     }
+
+
+async def _run(args: argparse.Namespace, tmp: Path) -> dict:
+    """Start the upstream in this process, then the routers in front of it; measure; stop everything."""
+    engine = FakeEngine(model=MODEL, token_delay_s=args.token_delay_ms / 1e3, stamps={})
+    runner = web.AppRunner(engine.app(), access_log=None)
+    await runner.setup()
+    up = free_port()
+    # The upstream first: sglang-router gives up on a worker it cannot reach at start-up.
+    await web.TCPSite(runner, "127.0.0.1", up).start()
+    routers = _routers(args.tokenizer, tmp, f"http://127.0.0.1:{up}")
+    try:
+        for server in routers.values():
+            server.start()
+        for server in routers.values():
+            await asyncio.to_thread(server.wait_healthy, 120)  # this loop serves their health checks
+        log("upstream, pd-router and sglang-router are up")
+        return await measure(
+            engine, up, routers, args.reps, args.scale, args.rps_seconds, args.token_delay_ms
+        )
+    finally:
+        for server in routers.values():
+            server.stop()
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,38 +479,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--token-delay-ms",
         type=float,
-        default=0.0,
-        help="upstream pause between tokens (0: as fast as it can send; 5 = 200 tokens/s per stream)",
+        default=DEFAULT_TOKEN_DELAY_MS,
+        help="upstream pause between tokens (5 = 200 tokens/s per stream; 0: as fast as it can send)",
     )
     parser.add_argument("--rps-seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").exists():
         parser.error(f"no tokenizer.json in {args.tokenizer} (run `make model` or pass --tokenizer)")
-    try:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
+    _use_uvloop()
+    # sglang-router opens connections with an HTTP/2 preface, which the in-process upstream's aiohttp server
+    # logs as a bad request with a traceback; a real failure of the upstream fails a request here instead.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     os.sched_setaffinity(0, {1})
     with tempfile.TemporaryDirectory() as tmp:
-        servers = _servers(args.tokenizer, Path(tmp), args.token_delay_ms)
-        try:
-            # The upstream first: sglang-router gives up on a worker it cannot reach at start-up.
-            servers["upstream"].start()
-            servers["upstream"].wait_healthy(120)
-            for s in servers.values():
-                if s is not servers["upstream"]:
-                    s.start()
-            for s in servers.values():
-                s.wait_healthy(120)
-            log("upstream, pd-router and sglang-router are up")
-            result = asyncio.run(
-                measure(servers, args.reps, args.scale, args.rps_seconds, args.token_delay_ms)
-            )
-        finally:
-            for s in servers.values():
-                s.stop()
+        result = asyncio.run(_run(args, Path(tmp)))
     print(json.dumps(result))
     return 0
 

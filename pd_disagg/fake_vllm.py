@@ -10,6 +10,12 @@ prompt + partial output produces exactly what an uninterrupted one would (what t
 Knobs on ``FakeEngine`` let tests make it slow, fail with a status, die mid-stream, or report unhealthy; it
 records every request body and every leg the client abandoned. Runs in-process (aiohttp test server) or as a
 process: ``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
+
+For the router benchmark (``stamps={}``) it records, per streamed request, when the request arrived and when
+its first and its ``[DONE]`` event were handed to the socket, on CLOCK_MONOTONIC (``time.monotonic_ns``,
+one clock for all processes of a Linux host), keyed by the prompt's last word (routers forward the prompt
+unchanged); with the load generator's own stamps of the same requests they give each request's transit
+through whatever sits in between (``benchmarks/router.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class FakeEngine:
     requests: list[dict[str, Any]] = field(default_factory=list)
     abandoned: int = 0  # legs whose client closed the connection before the end
     finished: int = 0
+    # Bench only: prompt's last word -> (arrived, first event, [DONE]) in monotonic ns; None = not recorded.
+    stamps: dict[str, tuple[int, int, int]] | None = None
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -65,6 +73,13 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
+
+    def take_stamps(self) -> dict[str, tuple[int, int, int]]:
+        """The stamps recorded since the last call (then forgotten): ``{key: (arrived, first, done)}``."""
+        if self.stamps is None:
+            return {}
+        data, self.stamps = self.stamps, {}
+        return data
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -99,6 +114,7 @@ class FakeEngine:
         return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic_ns()  # the handler runs once the request's head was parsed
         body = msgspec.json.decode(await request.read())
         self.requests.append(body)
         if self.fail_status:
@@ -138,10 +154,17 @@ class FakeEngine:
                 return web.Response()
             self.finished += 1
             return _unary(self.model, chat, "".join(tokens), prompt_tokens, n_tokens, returned)
-        return await self._stream(request, body, chat, tokens, prompt_tokens)
+        key = text.split()[-1] if self.stamps is not None and text.split() else None
+        return await self._stream(request, body, chat, tokens, prompt_tokens, (key, arrived))
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], chat: bool, tokens: list[str], prompt_tokens: int
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        tokens: list[str],
+        prompt_tokens: int,
+        stamp: tuple[str | None, int],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
@@ -156,6 +179,7 @@ class FakeEngine:
         # return_token_ids: the prompt's ids are its word positions, a token's id is the number in " w<n>"
         with_ids = bool(body.get("return_token_ids"))
         prompt_ids = list(range(prompt_tokens)) if with_ids else None
+        first_ns = 0
         try:
             if chat:
                 first = {
@@ -171,6 +195,7 @@ class FakeEngine:
                     "prompt_token_ids": prompt_ids,
                     "prompt_text": None,
                 }
+                first_ns = time.monotonic_ns()
                 await resp.write(_event(first))
             for i, tok in enumerate(tokens):
                 if i == self.die_after_tokens:
@@ -185,7 +210,9 @@ class FakeEngine:
                     if with_ids
                     else (None, None)
                 )
-                await resp.write(_event(_chunk(head, chat, tok, i == len(tokens) - 1, *ids)))
+                event = _event(_chunk(head, chat, tok, i == len(tokens) - 1, *ids))
+                first_ns = first_ns or time.monotonic_ns()
+                await resp.write(event)
             opts = body.get("stream_options") or {}
             if opts.get("include_usage"):
                 usage = {
@@ -196,8 +223,12 @@ class FakeEngine:
                 await resp.write(
                     _event({**head, "choices": [], "usage": usage, "system_fingerprint": FINGERPRINT})
                 )
+            done_ns = time.monotonic_ns()
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
+            key, arrived = stamp
+            if key is not None and self.stamps is not None:
+                self.stamps[key] = (arrived, first_ns, done_ns)
         except (asyncio.CancelledError, ConnectionError):
             self.abandoned += 1
             raise

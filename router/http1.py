@@ -65,6 +65,8 @@ class _Connection(asyncio.Protocol):
         self._framed = False  # Content-Length or chunked: the body's end is known without closing
         # Released before the body's end (a stream read up to its last event): called when it ends.
         self.on_complete: Callable[[], None] | None = None
+        # A diverted body (``Response.divert``): body bytes go here as they arrive instead of to the buffer.
+        self.sink: Callable[[bytes], None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol (called by the event loop) ----------------------------------------------------
@@ -114,6 +116,9 @@ class _Connection(asyncio.Protocol):
             self.on_complete = None
             self.close()
             return
+        if self.sink is not None:
+            self.sink(body)
+            return
         self._buf += body
         if len(self._buf) > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
@@ -137,16 +142,15 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until the next parser event or the connection's end."""
+    def wait(self) -> asyncio.Future[None]:
+        """A future done at the next parser event or the connection's end (a plain future, not a coroutine:
+        the relay waits on it once per streamed event)."""
         self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        return self._waiter
 
     def send(self, data: bytes) -> None:
         """Start a new exchange on this (idle or new) connection; llhttp's parser carries over between
@@ -155,6 +159,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers_done = self.complete = self.keep_alive = self.received = self._framed = False
         self.error = None
+        self.sink = None
         self._buf.clear()
         self.transport.write(data)
 
@@ -252,6 +257,40 @@ class Response:
         self.release()
         return data
 
+    def divert(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives, inside the event loop's read callback (no
+        task switch per chunk: the relay's hot path); bytes already buffered go first. ``sink`` must not
+        raise. The caller then waits with ``wait`` and asks ``ended`` until it is done."""
+        conn = self._live()
+        buffered = conn.take() if conn.buffer else b""
+        conn.sink = sink
+        if buffered:
+            sink(buffered)
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future done when the body ends, the connection fails, or someone calls ``wake``."""
+        return self._live().wait()
+
+    def wake(self) -> None:
+        """Finish the pending ``wait`` (a sink uses it to report what only the caller can handle)."""
+        self._live()._wake()
+
+    def ended(self) -> bool:
+        """Whether the body has ended; raises the ``HttpError`` that broke it."""
+        conn = self._live()
+        if conn.error is not None:
+            raise conn.error
+        return conn.complete
+
+    def pause_reading(self, paused: bool) -> None:
+        """Stop (or resume) reading the socket: backpressure from a diverted body's slow consumer."""
+        conn = self._live()
+        if conn.transport is not None and not conn.closed:
+            if paused:
+                conn.transport.pause_reading()
+            else:
+                conn.transport.resume_reading()
+
     def release(self) -> None:
         """Done with the response: a fully read keep-alive connection is reused, anything else closed.
 
@@ -262,6 +301,7 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        conn.sink = None
         if conn.buffer or conn.error is not None or conn.closed:
             conn.close()
         elif conn.complete:
@@ -275,6 +315,7 @@ class Response:
         """Abandon the response: the connection is closed (the server sees the client go away)."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            conn.sink = None
             conn.close()
 
 

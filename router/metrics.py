@@ -7,12 +7,13 @@ per-worker legs in flight and errors, and failovers.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -45,13 +46,10 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            "pd_router_itl_seconds",
-            "Gaps between streamed chunks sent to the client",
-            ["route"],
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.itl = EventHistogram(
+            "pd_router_itl_seconds", "Gaps between streamed chunks sent to the client", "route", _ITL_BUCKETS
         )
+        r.register(self.itl)
         self.e2e = Histogram(
             "pd_router_request_seconds",
             "Arrival to last byte",
@@ -88,7 +86,7 @@ class RouterMetrics:
         self.requests_for = _memo(self.requests)
         self.responses_for = _memo(self.responses)
         self.ttft_for = _memo(self.ttft)
-        self.itl_for = _memo(self.itl)
+        self.itl_for = self.itl.series
         self.e2e_for = _memo(self.e2e)
 
     def watch_workers(self, workers: Callable[[], Iterable[Worker]]) -> None:
@@ -101,6 +99,53 @@ class RouterMetrics:
 
 def _memo(metric: Counter | Histogram) -> Callable[..., Any]:
     return functools.lru_cache(maxsize=1024)(metric.labels)
+
+
+class EventSeries:
+    """One label value's bucket counts and sum (see ``EventHistogram``)."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # the first bound >= value: Prometheus buckets are "less than or equal"
+        self.counts[bisect.bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class EventHistogram(Collector):
+    """A histogram with one label for per-event observations (the relay's inter-token gaps).
+
+    ``prometheus_client.Histogram.observe`` takes a lock and walks the buckets in Python (~2.5 us); the relay
+    observes once per event sent, where that was a visible share of its CPU. Here an observation is a bisect
+    and two additions. Only the router's event loop thread observes and renders, so no lock is needed. The
+    exposition is a standard histogram (``_bucket``, ``_count``, ``_sum``).
+    """
+
+    def __init__(self, name: str, documentation: str, label: str, buckets: tuple[float, ...]) -> None:
+        self._name, self._doc, self._label = name, documentation, label
+        self._bounds = tuple(sorted(buckets))
+        self._series: dict[str, EventSeries] = {}
+
+    def series(self, value: str) -> EventSeries:
+        found = self._series.get(value)
+        if found is None:
+            found = self._series[value] = EventSeries(self._bounds)
+        return found
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, s in self._series.items():
+            cumulative, total = [], 0
+            for bound, count in zip((*map(str, self._bounds), "+Inf"), s.counts, strict=True):
+                total += count
+                cumulative.append((bound, float(total)))
+            family.add_metric([value], cumulative, s.sum)
+        yield family
 
 
 class _WorkerCollector(Collector):

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -30,8 +30,8 @@ from aiohttp import web
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.errors import ApiError, overloaded
-from router.http1 import Pool, Response
-from router.metrics import RouterMetrics
+from router.http1 import HttpError, Pool, Response
+from router.metrics import EventSeries, RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
 from router.requests import Parsed
 from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
@@ -43,9 +43,9 @@ from router.upstream import (
     post_json,
     prefill_body,
     read_event,
-    read_some,
     returned_params,
     transfer_id,
+    wrap_error,
 )
 
 log = logging.getLogger("router.proxy")
@@ -292,7 +292,7 @@ class Proxy:
         extra = {"return_token_ids": True} if strip else {}
         body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
         route = "local" if local else "disagg"
-        client: web.StreamResponse | None = None
+        client: _RelayedResponse | None = None
         state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
         try:
             with self.balancer.lease(decode):
@@ -302,7 +302,7 @@ class Proxy:
                     self._blame(e, decode, prefill, failed)
                     raise
                 try:
-                    client = web.StreamResponse(headers={**_SSE_HEADERS, ROUTE_HEADER: route})
+                    client = _RelayedResponse(request, route)
                     try:
                         await client.prepare(request)
                     except (ConnectionError, aiohttp.ClientConnectionResetError):
@@ -345,7 +345,7 @@ class Proxy:
 
     async def _relay(
         self,
-        client: web.StreamResponse,
+        client: _RelayedResponse,
         resp: Response,
         worker: Worker,
         first: bytes,
@@ -356,57 +356,60 @@ class Proxy:
     ) -> UpstreamError | None:
         """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
-        All complete events already received go out in one write (one syscall instead of one per token when
-        the upstream is ahead of the client), byte for byte; a partial event waits for its end. After
-        ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
+        The first event goes out through aiohttp (which sends the headers with it); the rest are relayed by a
+        ``_Pump`` inside the upstream connection's read callback, byte for byte, all complete events of one
+        read in one write. This coroutine only waits for the end, an error, the idle timeout or a slow client.
+        After ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
         """
-        itl = self.metrics.itl_for(route)
-        last = time.monotonic()
+
+        def transform(batch: bytes) -> bytes:
+            if stitcher is not None:
+                return stitcher.rewrite_batch(batch)
+            if state is not None:
+                state.observe_batch(batch)
+            return strip_token_ids(batch) if strip else batch
+
+        out = transform(first)
+        if out:
+            await self._write(client, out)
+        if first.endswith(DONE):
+            resp.release()  # keep-alive: the connection serves the next leg
+            return None
+        transport = client.transport_for_relay
+        if transport is None:
+            raise RuntimeError("the client response was not prepared for relaying")
+        chunked = client.headers.get("Transfer-Encoding") == "chunked"
+        pump = _Pump(transport, chunked, transform, self.metrics.itl_for(route), resp)
+        resp.divert(pump.feed)
         idle = self.cfg.timeouts.idle_s
-        loop = asyncio.get_running_loop()
-        batch, rest = first, b""
-        armed = loop.time()
         try:
-            async with asyncio.timeout(idle) as guard:
-                while True:
-                    if stitcher is not None:
-                        out = stitcher.rewrite_batch(batch)
-                    else:
-                        if state is not None:
-                            state.observe_batch(batch)
-                        out = strip_token_ids(batch) if strip else batch
-                    if out:
-                        try:
-                            await client.write(out)
-                        except (ConnectionError, aiohttp.ClientConnectionResetError):
-                            raise _ClientGone from None
-                        now = time.monotonic()
-                        itl.observe(now - last)
-                        last = now
-                    if batch.endswith(DONE):
-                        resp.release()  # keep-alive: the connection serves the next leg
-                        return None
-                    # Push the idle deadline out only every quarter of it (a timer per event costs more).
-                    if loop.time() - armed > idle / 4:
-                        armed = loop.time()
-                        guard.reschedule(armed + idle)
-                    while True:
-                        data = await read_some(resp, worker)
-                        if not data:
-                            return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
-                        rest += data
-                        cut = rest.rfind(b"\n\n")
-                        if cut >= 0:
-                            batch, rest = rest[: cut + 2], rest[cut + 2 :]
-                            break
-        except TimeoutError:
-            return UpstreamError("timeout", f"{worker.url} sent nothing for about {idle}s")
-        except UpstreamError as e:
-            return e
+            while True:
+                if pump.failure is not None:
+                    raise pump.failure
+                if pump.done:
+                    resp.release()
+                    return None
+                if resp.ended():
+                    return UpstreamError("protocol", f"{worker.url} ended the stream without [DONE]")
+                if pump.paused:  # the client reads slower than the worker writes
+                    if transport.is_closing():
+                        raise _ClientGone
+                    if transport.get_write_buffer_size() > _LOW_WATER:
+                        await asyncio.sleep(_DRAIN_POLL_S)
+                        pump.seen = time.monotonic()  # a slow client is not an idle worker
+                        continue
+                    pump.resume()
+                left = idle - (time.monotonic() - pump.seen)
+                if left <= 0:
+                    return UpstreamError("timeout", f"{worker.url} sent nothing for about {idle}s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(resp.wait(), left)
+        except HttpError as e:
+            return wrap_error(e, worker)
 
     async def _resume(
         self,
-        client: web.StreamResponse,
+        client: _RelayedResponse,
         parsed: Parsed,
         path: str,
         state: StreamState | None,
@@ -482,6 +485,83 @@ class Proxy:
             await client.write(data)
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             raise _ClientGone from None
+
+
+# A client whose socket buffer holds more than this stops the upstream from being read until it is below
+# _LOW_WATER again (checked every _DRAIN_POLL_S: only slow clients get there).
+_HIGH_WATER = 1 << 16
+_LOW_WATER = 1 << 14
+_DRAIN_POLL_S = 0.002
+
+
+class _RelayedResponse(web.StreamResponse):
+    """The client's SSE response, which also keeps the connection's transport for ``_Pump``'s writes."""
+
+    def __init__(self, request: web.Request, route: str) -> None:
+        super().__init__(headers={**_SSE_HEADERS, ROUTE_HEADER: route})
+        self.transport_for_relay = request.transport
+
+
+class _Pump:
+    """Relays a stream's events inside the upstream connection's read callback (``Response.divert``).
+
+    Per event this saves the task switch, the futures and aiohttp's write coroutines of a coroutine relay
+    (the relay's CPU per event is what queues other streams' events and new requests on a busy router).
+    Writes go straight to the client's transport, framed exactly as aiohttp frames chunks, after aiohttp
+    has sent the headers and the first event. Never raises: a failure is kept for ``_relay`` to raise.
+    """
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        chunked: bool,
+        transform: Callable[[bytes], bytes],
+        itl: EventSeries,
+        resp: Response,
+    ) -> None:
+        self._transport = transport
+        self._chunked = chunked
+        self._transform = transform
+        self._itl = itl
+        self._resp = resp
+        self._rest = b""
+        self.seen = self._sent = time.monotonic()
+        self.done = False
+        self.paused = False
+        self.failure: BaseException | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.done or self.failure is not None:
+            return
+        now = self.seen = time.monotonic()
+        try:
+            rest = self._rest + data if self._rest else data
+            cut = rest.rfind(b"\n\n")
+            if cut < 0:
+                self._rest = rest
+                return
+            batch, self._rest = rest[: cut + 2], rest[cut + 2 :]
+            out = self._transform(batch)
+            if out:
+                if self._transport.is_closing():
+                    raise _ClientGone
+                self._transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._chunked else out)
+                self._itl.observe(now - self._sent)
+                self._sent = now
+            if batch.endswith(DONE):
+                self.done = True
+                self._resp.wake()
+            elif not self.paused and self._transport.get_write_buffer_size() > _HIGH_WATER:
+                self.paused = True
+                self._resp.pause_reading(True)
+                self._resp.wake()
+        except BaseException as e:  # kept for _relay, which raises it in the handler's task
+            self.failure = e
+            self._resp.wake()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._resp.pause_reading(False)
 
 
 def _wants_ids(parsed: Parsed, decode: Worker) -> bool:

@@ -57,7 +57,8 @@ def _target(url: str, path: str, api_key: str | None) -> tuple[tuple[str, int, b
     return key, head.encode("latin-1")
 
 
-def _wrap(e: HttpError, worker: Worker) -> UpstreamError:
+def wrap_error(e: HttpError, worker: Worker) -> UpstreamError:
+    """A transport or protocol failure of a leg to ``worker`` as the ``UpstreamError`` retries act on."""
     if e.kind == "timeout":
         return UpstreamError("timeout", f"{worker.role} worker {worker.url} timed out")
     if e.kind == "connect":
@@ -70,7 +71,7 @@ async def _send(pool: Pool, worker: Worker, path: str, body: bytes) -> Response:
     try:
         return await pool.request(key, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
     except HttpError as e:
-        raise _wrap(e, worker) from None
+        raise wrap_error(e, worker) from None
 
 
 async def _status_error(resp: Response, worker: Worker) -> UpstreamError:
@@ -94,7 +95,7 @@ async def post_json(pool: Pool, worker: Worker, path: str, body: bytes) -> bytes
     try:
         return await resp.read()
     except HttpError as e:
-        raise _wrap(e, worker) from None
+        raise wrap_error(e, worker) from None
     finally:
         resp.close()
 
@@ -112,15 +113,7 @@ async def read_event(resp: Response, worker: Worker) -> bytes:
     try:
         return await resp.read_until(b"\n\n")
     except HttpError as e:
-        raise _wrap(e, worker) from None
-
-
-async def read_some(resp: Response, worker: Worker) -> bytes:
-    """Whatever bytes of the stream have arrived (waits for at least one), or b"" at its end."""
-    try:
-        return await resp.read_some()
-    except HttpError as e:
-        raise _wrap(e, worker) from None
+        raise wrap_error(e, worker) from None
 
 
 # ---- request bodies per flow -------------------------------------------------------------------------------
