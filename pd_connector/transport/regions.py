@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion
-from .coalesce import COUNT, DST, REGION, SRC, RunTable, coalesce_runs
+from .coalesce import COUNT, DST, REGION, SMALL_COPIES, SRC, Run, RunTable, coalesce_runs, coalesce_small
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -135,7 +135,13 @@ def plan(copies: Sequence[BlockCopy], local: RegionIndex, remote: RegionIndex) -
     Refuses (``ValueError``, nothing posted) unknown regions, blocks past either side's end and regions
     whose block size differs between the two sides (layout mapping is the transfer engine's job).
     """
-    runs = coalesce_runs(copies)
+    if len(copies) <= SMALL_COPIES:
+        return _plan_small(coalesce_small(copies), local, remote)
+    return _plan_vectorised(coalesce_runs(copies), local, remote)
+
+
+def _plan_vectorised(runs: RunTable, local: RegionIndex, remote: RegionIndex) -> Spans:
+    """``plan``'s checks and arithmetic with numpy, for many runs."""
     if len(runs) == 0:
         empty = np.empty(0, dtype=np.int64)
         return Spans(runs, 0, empty, empty)
@@ -164,4 +170,38 @@ def plan(copies: Sequence[BlockCopy], local: RegionIndex, remote: RegionIndex) -
     out[:, COUNT] = runs[:, COUNT] * stride
     return Spans(
         out, int(out[:, COUNT].sum()), local.address[mine] + out[:, SRC], remote.address[theirs] + out[:, DST]
+    )
+
+
+def _plan_small(runs: list[Run], local: RegionIndex, remote: RegionIndex) -> Spans:
+    """``plan``'s checks and arithmetic for a few runs, in plain Python: the same spans, the same errors, found
+    in the same order (every run's local region, then remote, then block sizes, then bounds)."""
+    for side, index in (("local", local), ("remote", remote)):
+        for region, *_ in runs:
+            if region not in index.by_id:
+                raise ValueError(f"region {region} is not registered on the {side} side")
+    for region, *_ in runs:
+        local_bytes, remote_bytes = local.by_id[region].block_bytes, remote.by_id[region].block_bytes
+        if local_bytes != remote_bytes:
+            raise ValueError(f"region {region}: local blocks are {local_bytes} bytes, remote {remote_bytes}")
+    table: list[Run] = []
+    local_address: list[int] = []
+    remote_address: list[int] = []
+    for region, src, dst, count in runs:
+        mine, theirs = local.by_id[region], remote.by_id[region]
+        local_blocks, remote_blocks = mine.length // mine.block_bytes, theirs.length // theirs.block_bytes
+        if src + count > local_blocks or dst + count > remote_blocks:
+            raise ValueError(
+                f"region {region}: copy reaches block {max(src, dst) + count - 1} but local has {local_blocks} "
+                f"and remote has {remote_blocks} blocks"
+            )
+        stride = theirs.block_bytes
+        table.append((region, src * stride, dst * stride, count * stride))
+        local_address.append(mine.address + src * stride)
+        remote_address.append(theirs.address + dst * stride)
+    return Spans(
+        np.array(table, dtype=np.int64).reshape(-1, 4),
+        sum(row[COUNT] for row in table),
+        np.array(local_address, dtype=np.int64),
+        np.array(remote_address, dtype=np.int64),
     )

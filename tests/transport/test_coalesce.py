@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pd_connector.transport import regions
 from pd_connector.transport.base import BlockCopy
-from pd_connector.transport.coalesce import coalesce
-from pd_connector.transport.regions import RegionIndex, RegionInfo, plan
+from pd_connector.transport.coalesce import SMALL_COPIES, coalesce, coalesce_small, coalesce_vectorised
+from pd_connector.transport.regions import RegionIndex, RegionInfo, Spans, plan
 
 pytestmark = pytest.mark.unit
 
@@ -100,3 +103,47 @@ def test_coalesced_runs_cover_exactly_the_input(data: st.DataObject) -> None:
         & (table[1:, 2] == table[:-1, 2] + table[:-1, 3])
     )
     assert not follows.any()
+
+
+# -- the plain-Python path for small writes agrees with the numpy path ------------------------------------------
+_copy = st.builds(BlockCopy, st.integers(0, 2), st.integers(-1, 12), st.integers(-1, 12), st.integers(0, 4))
+
+
+def _outcome(fn: Callable[[], object]) -> object:
+    """The value ``fn`` returns (arrays as lists), or the message of the ``ValueError`` it raises."""
+    try:
+        value = fn()
+    except ValueError as exc:
+        return ("error", str(exc))
+    if isinstance(value, Spans):
+        return [
+            value.table.tolist(),
+            value.nbytes,
+            value.local_address.tolist(),
+            value.remote_address.tolist(),
+        ]
+    return np.asarray(value).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_copy, max_size=SMALL_COPIES))
+def test_small_and_vectorised_coalescing_agree(copies: list[BlockCopy]) -> None:
+    """Same runs in the same order, or the same error, including invalid and overlapping copies."""
+    assert _outcome(lambda: coalesce_small(copies)) == _outcome(lambda: coalesce_vectorised(copies))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_copy, max_size=SMALL_COPIES),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 16), st.sampled_from([4, 8])), max_size=3),
+    st.lists(st.tuples(st.integers(0, 2), st.integers(1, 16), st.sampled_from([4, 8])), max_size=3),
+)
+def test_small_and_vectorised_plans_agree(
+    copies: list[BlockCopy], local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]]
+) -> None:
+    """Same spans and addresses, or the same error (unknown region, block size, bounds) found first."""
+    mine = _index(*{r: (r, n, b) for r, n, b in local}.values())
+    theirs = _index(*{r: (r, n, b) for r, n, b in remote}.values())
+    small = _outcome(lambda: regions._plan_small(coalesce_small(copies), mine, theirs))
+    vectorised = _outcome(lambda: regions._plan_vectorised(coalesce_vectorised(copies), mine, theirs))
+    assert small == vectorised
