@@ -17,7 +17,17 @@ import numpy as np
 import numpy.typing as npt
 
 from .base import BlockCopy, MemoryRegion
-from .coalesce import COUNT, DST, REGION, SMALL_COPIES, SRC, Run, RunTable, coalesce_runs, coalesce_small
+from .coalesce import (
+    COUNT,
+    DST,
+    REGION,
+    SMALL_COPIES,
+    SRC,
+    Run,
+    RunTable,
+    coalesce_small,
+    coalesce_vectorised,
+)
 
 
 class RegionInfo(msgspec.Struct, frozen=True, array_like=True):
@@ -129,15 +139,16 @@ class Spans(NamedTuple):
 
 
 def plan(copies: Sequence[BlockCopy], local: RegionIndex, remote: RegionIndex) -> Spans:
-    """Coalesce ``copies``, check them against both sides and return byte spans (vectorised: a layer's
-    hundreds of copies cost tens of microseconds, on the I/O thread of every transport).
+    """Coalesce ``copies``, check them against both sides and return byte spans. Called per ``write``: by
+    cma and ucx on the calling (engine) thread, by tcp on its event loop. A few copies are planned in plain
+    Python, many with numpy (``SMALL_COPIES``); both give the same spans and the same errors.
 
     Refuses (``ValueError``, nothing posted) unknown regions, blocks past either side's end and regions
     whose block size differs between the two sides (layout mapping is the transfer engine's job).
     """
     if len(copies) <= SMALL_COPIES:
         return _plan_small(coalesce_small(copies), local, remote)
-    return _plan_vectorised(coalesce_runs(copies), local, remote)
+    return _plan_vectorised(coalesce_vectorised(copies), local, remote)
 
 
 def _plan_vectorised(runs: RunTable, local: RegionIndex, remote: RegionIndex) -> Spans:
