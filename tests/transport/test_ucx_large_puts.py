@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pd_connector.transport import ucx
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.factory import TransportConfig, create_transport
+from pd_connector.transport.regions import Spans
 from pd_connector.transport.ucx import UcxConfig
 
 from .conftest import PeerProcess, local_regions
@@ -55,3 +57,25 @@ def test_segment_setting_reaches_the_ucx_options() -> None:
 def test_a_too_small_segment_is_refused(bad: int) -> None:
     with pytest.raises(ValueError, match="cma_segment_bytes"):
         UcxConfig(cma_segment_bytes=bad)
+
+
+@pytest.mark.parametrize("small_limit", [1 << 20, 0], ids=["plain-python", "numpy"])
+def test_posts_are_grouped_per_region_with_either_path(
+    small_limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write's spans become one ``put_many`` group per region, in order, whether the few-row path (plain
+    Python) or the many-row path (numpy masks) builds them."""
+    monkeypatch.setattr(ucx, "SMALL_COPIES", small_limit)
+    rows = 5
+    table = np.array([[r, 10 * i, 20 * i, i + 1] for r in (1, 4, 7) for i in range(rows)], dtype=np.int64)
+    spans = Spans(table, int(table[:, 3].sum()), table[:, 1] + 1000, table[:, 2] + 5000)
+    expected = [
+        (
+            r,
+            [10 * i + 1000 for i in range(rows)],
+            [i + 1 for i in range(rows)],
+            [20 * i + 5000 for i in range(rows)],
+        )
+        for r in (1, 4, 7)
+    ]
+    assert ucx._Planned.of(None, spans).groups == expected  # type: ignore[arg-type]
