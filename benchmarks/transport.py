@@ -307,15 +307,14 @@ class OursPath(Path):
         self.sender = _our_transport(kind, tls, huge, cma_segment_bytes)
         self.sender.register(memory.regions())
         self.sender.attach("receiver", self.receiver.descriptor).result(30)
-        self.copies = {str(i): message_copies(i) for i in range(len(SIZES))}
-        self.layers = [layer_copies(layer) for layer in range(LAYERS)]
-
-    def batches(self) -> dict[str, list[list[BlockCopy]]]:
-        """Per case, the writes one run issues (one per message set; one per layer for ``kv``)."""
-        return {**{case: [copies] for case, copies in self.copies.items()}, "kv": self.layers}
+        #: per case, the writes one run issues (one per message set; one per layer for ``kv``)
+        self.batches: dict[str, list[list[BlockCopy]]] = {
+            **{str(i): [message_copies(i)] for i in range(len(SIZES))},
+            "kv": [layer_copies(layer) for layer in range(LAYERS)],
+        }
 
     def run(self, case: str) -> None:
-        for future in [self.sender.write("receiver", copies) for copies in self.batches()[case]]:
+        for future in [self.sender.write("receiver", copies) for copies in self.batches[case]]:
             future.result(120)
 
     def close(self) -> None:
@@ -338,7 +337,7 @@ class CmaSyscallPath(Path):
         segment = CmaConfig().segment_bytes
         self.iovecs = {
             case: [build_iovecs(plan(copies, local, remote), segment) for copies in batches]
-            for case, batches in ours.batches().items()
+            for case, batches in ours.batches.items()
         }
         self.calls = {
             case: [call_bounds(iov.local[:, 1], segment) for iov in iovecs]

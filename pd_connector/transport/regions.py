@@ -115,17 +115,18 @@ class RegionTable:
             return regions
 
     def infos(self) -> list[RegionInfo]:
-        return [RegionInfo(r.region_id, r.length, r.block_bytes, r.address) for r in self.all()]
+        return [_info(r) for r in self.all()]
 
     def index(self) -> RegionIndex:
         """The current regions as a ``RegionIndex`` (rebuilt only after a change)."""
         with self._lock:
             if self._index is None:
-                self._index = RegionIndex(
-                    RegionInfo(r.region_id, r.length, r.block_bytes, r.address)
-                    for r in self._regions.values()
-                )
+                self._index = RegionIndex(_info(r) for r in self._regions.values())
             return self._index
+
+
+def _info(region: MemoryRegion) -> RegionInfo:
+    return RegionInfo(region.region_id, region.length, region.block_bytes, region.address)
 
 
 class Spans(NamedTuple):
