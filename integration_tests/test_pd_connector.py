@@ -361,24 +361,35 @@ def test_router_streams_disaggregated_completions(honest: Cluster, router: str, 
 
 
 def test_router_streams_disaggregated_chat(honest: Cluster, router: str) -> None:
-    """A streamed chat request long enough for P->D: text arrives in several events and ends with [DONE]
-    and usage, as vLLM's own stream does."""
+    """A streamed chat request long enough for P->D: the streamed deltas add up to the colocated (plain,
+    unstreamed request to P) greedy text, and the stream ends with usage and [DONE], as vLLM's own does.
+
+    How many events the text arrives in is vLLM's business, not the router's: its front end merges deltas it
+    has not sent yet, which on this two-core machine happens whenever the CPU workers starve it (a CI run
+    once got 12 tokens in 2 events). That the router relays each upstream event as it comes is tested
+    against a paced upstream in tests/router/test_relay.py.
+    """
     payload = {
         "model": "tiny",
         "messages": [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
-    route, events = _stream_through_router(router, "/v1/chat/completions", payload)
+    colocated = pd_client.post_json(honest.p_url + "/v1/chat/completions", payload)
+    route, events = _stream_through_router(
+        router,
+        "/v1/chat/completions",
+        {**payload, "stream": True, "stream_options": {"include_usage": True}},
+    )
     assert route == "disagg"
     chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
-    assert chunks[-1]["usage"]["prompt_tokens"] >= ROUTER_THRESHOLD
+    assert chunks[-1]["usage"]["prompt_tokens"] == colocated["usage"]["prompt_tokens"] >= ROUTER_THRESHOLD
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert sum(1 for d in deltas if d.get("content")) >= MAX_TOKENS // 2
+    assert deltas[0].get("role") == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == colocated["choices"][0]["message"]["content"]
+    assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_sixteen_concurrent_requests(honest: Cluster) -> None:
