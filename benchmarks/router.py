@@ -3,8 +3,8 @@
     python -m benchmarks.router [--tokenizer DIR] [--reps 3] [--scale 1] [--token-delay-ms 5]
 
 Processes: a fake vLLM upstream (``pd_disagg.fake_vllm``, exact vLLM framing, no model) and this load
-generator share core 1; ``pd-router`` and ``sglang-router`` (0.3.2, from PyPI) are pinned to core 0 with
-taskset, one core each in turn (both idle while the other is measured). Every request is a streamed 64-token
+generator share core 1; ``pd-router``, ``sglang-router`` (0.3.2, from PyPI) and the byte relay are pinned to
+core 0 with taskset, one measured at a time (the others idle meanwhile). Every request is a streamed 64-token
 completion. The upstream paces its tokens (``--token-delay-ms``, default 5 ms: 200 tokens/s per stream, faster
 than an engine serving 64 streams decodes each of them); ``--token-delay-ms 0`` sends the 64 events as fast
 as it can, the relay's stress case (at c64 that measures saturation, like the max-rps runs).
@@ -17,7 +17,12 @@ excludes the upstream's own pacing and scheduling jitter. Added = transit percen
 transit percentile on the direct path, over all requests of all rounds (``added_ms``); the same for the
 first event (``added_ttft_ms``). The older end-to-end figures stay alongside: send-to-last-byte percentiles
 per round, router minus direct of the same round, median over rounds (``added_e2e_ms``: noisy, since the
-upstream's own spread between runs enters it). Rounds rotate the order direct/ours/sglang.
+upstream's own spread between runs enters it). Rounds rotate the order of the targets.
+
+The floor: ``benchmarks.byte_relay`` (bytes in, the same bytes out on uvloop, no HTTP) runs as a fourth target
+on the routers' core. Its added latency is what the extra process hop itself costs on this host;
+``added_over_byte_relay_ms`` is each router's transit percentile minus the relay's, i.e. what its HTTP
+handling, routing and relaying add on top of the hop.
 
 Max requests/s: 64 connections in a closed loop for a few seconds against each router, short non-streamed
 completions (the router's per-request cost, not the upstream's streaming cost), driven from a child process
@@ -61,7 +66,11 @@ TOKENS = 64
 DEFAULT_TOKEN_DELAY_MS = 5.0
 # Streamed requests per concurrency level and target, per round.
 REQUESTS = {1: 30, 16: 160, 64: 640}
-TARGETS = ("direct", "ours", "sglang_router")
+TARGETS = ("direct", "ours", "sglang_router", "byte_relay")
+ROUTERS = (
+    "ours",
+    "sglang_router",
+)  # what the targets are about; byte_relay is the floor they are read against
 
 
 def log(msg: str) -> None:
@@ -279,7 +288,7 @@ def _use_uvloop() -> None:
 
 def _routers(tokenizer: Path, tmp: Path, upstream: str) -> dict[str, ManagedServer]:
     logs = ROOT / "logs" / "bench"
-    ours, sgl = free_port(), free_port()
+    ours, sgl, relay = free_port(), free_port(), free_port()
     config = tmp / "router.toml"
     config.write_text(
         f'[model]\npath = "{MODEL}"\ntokenizer = {json.dumps(str(tokenizer))}\nmax_model_len = 4096\n'
@@ -319,6 +328,13 @@ def _routers(tokenizer: Path, tmp: Path, upstream: str) -> dict[str, ManagedServ
             f"http://127.0.0.1:{sgl}/health",
             cwd=ROOT,
         ),
+        "byte_relay": ManagedServer(
+            "byte-relay",
+            ["taskset", "-c", "0", py, "-m", "benchmarks.byte_relay", str(relay), upstream.rsplit(":", 1)[1]],
+            logs / f"byte-relay-{relay}.log",
+            f"http://127.0.0.1:{relay}/health",  # the upstream's, through the relay
+            cwd=ROOT,
+        ),
     }
 
 
@@ -348,7 +364,7 @@ async def measure(
     e2e: dict[str, dict[int, list[tuple[float, float]]]] = {k: {c: [] for c in CONCURRENCY} for k in TARGETS}
     for rep in range(reps):
         for c in CONCURRENCY:
-            order = TARGETS[rep % 3 :] + TARGETS[: rep % 3]
+            order = TARGETS[rep % len(TARGETS) :] + TARGETS[: rep % len(TARGETS)]
             for name in order:
                 engine.take_stamps()  # forget anything earlier (warm-up, max-rps probes)
                 seen = await latencies(ports[name], c, max(1, REQUESTS[c] * scale // c), spread_s)
@@ -368,7 +384,7 @@ async def measure(
     added: dict[str, dict[str, dict[str, float]]] = {}
     added_ttft: dict[str, dict[str, dict[str, float]]] = {}
     added_e2e: dict[str, dict[str, dict[str, float]]] = {}
-    for name in ("ours", "sglang_router"):
+    for name in (*ROUTERS, "byte_relay"):
         added[name], added_ttft[name], added_e2e[name] = {}, {}, {}
         for c in CONCURRENCY:
             mine, direct = moved[name][c], moved["direct"][c]
@@ -419,12 +435,18 @@ async def measure(
                 f"rep {rep} max rps: "
                 + ", ".join(f"{n} {rps[n][-1]:.0f} ({cpu[n][-1]:.0f} us CPU/request)" for n in TARGETS)
             )
+    # Above the floor: what a router adds beyond what a zero-work byte relay in its place adds.
+    over_floor = {
+        name: {
+            f"c{c}": added_ms([t.total for t in moved[name][c]], [t.total for t in moved["byte_relay"][c]])
+            for c in CONCURRENCY
+        }
+        for name in ROUTERS
+    }
     return {
         "added_ms": added,
-        "max_rps": {
-            "ours": round(statistics.median(rps["ours"])),
-            "sglang_router": round(statistics.median(rps["sglang_router"])),
-        },
+        "max_rps": {name: round(statistics.median(rps[name])) for name in (*ROUTERS, "byte_relay")},
+        "added_over_byte_relay_ms": over_floor,
         "added_ttft_ms": added_ttft,
         "added_e2e_ms": added_e2e,
         "transit_ms": transit_ms,

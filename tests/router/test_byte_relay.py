@@ -1,0 +1,61 @@
+"""The router benchmark's floor: ``benchmarks.byte_relay`` passes bytes both ways unchanged, streams them as
+they come, and closes the client when the upstream cannot be reached or goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestServer
+
+from benchmarks.byte_relay import serve
+from pd_disagg.fake_vllm import FakeEngine
+from pd_disagg.servers import free_port
+
+pytestmark = pytest.mark.unit
+
+
+@contextlib.asynccontextmanager
+async def _relay(upstream_port: int):
+    port = free_port()
+    task = asyncio.create_task(serve(port, upstream_port))
+    for _ in range(100):  # until it listens
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield port
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_streamed_completion_through_the_relay_equals_the_direct_one() -> None:
+    server = TestServer(FakeEngine(token_delay_s=0.001).app())
+    await server.start_server()
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": 16, "stream": True}
+    try:
+        async with _relay(server.port) as port, ClientSession() as s:  # type: ignore[arg-type]
+            async with s.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body) as r:
+                direct = await r.read()
+            for _ in range(2):  # keep-alive: the second request reuses the relayed connection
+                async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    relayed = await r.read()
+                assert relayed.count(b"data: ") == direct.count(b"data: ") == 17  # 16 token events, [DONE]
+                assert relayed.endswith(b"data: [DONE]\n\n")
+    finally:
+        await server.close()
+
+
+async def test_client_is_closed_when_the_upstream_is_unreachable() -> None:
+    async with _relay(free_port()) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
+        writer.close()
