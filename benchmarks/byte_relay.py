@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from typing import cast
 
 import uvloop
 
@@ -43,15 +44,14 @@ class _Client(asyncio.Protocol):
 
     def __init__(self, upstream_port: int) -> None:
         self._upstream_port = upstream_port
-        self._transport: asyncio.Transport | None = None
+        self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only a weak reference
         self._upstream: asyncio.Transport | None = None
         self._early: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        _nodelay(transport)
-        asyncio.get_running_loop().create_task(self._connect(transport))
+        client = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        _nodelay(client)
+        self._connecting = asyncio.get_running_loop().create_task(self._connect(client))
 
     async def _connect(self, client: asyncio.Transport) -> None:
         loop = asyncio.get_running_loop()

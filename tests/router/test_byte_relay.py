@@ -1,16 +1,17 @@
-"""The router benchmark's floor: ``benchmarks.byte_relay`` passes bytes both ways unchanged, streams them as
-they come, and closes the client when the upstream cannot be reached or goes away."""
+"""The router benchmark's floor: ``benchmarks.byte_relay`` (the real module, on uvloop, as the benchmark runs
+it) passes bytes both ways unchanged and closes the client when the upstream cannot be reached."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from benchmarks.byte_relay import serve
 from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
 
@@ -20,19 +21,21 @@ pytestmark = pytest.mark.unit
 @contextlib.asynccontextmanager
 async def _relay(upstream_port: int):
     port = free_port()
-    task = asyncio.create_task(serve(port, upstream_port))
-    for _ in range(100):  # until it listens
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
+    relay = subprocess.Popen([sys.executable, "-m", "benchmarks.byte_relay", str(port), str(upstream_port)])
+    try:
+        for _ in range(500):  # until it listens
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                assert relay.poll() is None, "the relay exited"
+                await asyncio.sleep(0.02)
+                continue
             writer.close()
             break
-        await asyncio.sleep(0.01)
-    try:
         yield port
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        relay.kill()
+        relay.wait(10)
 
 
 async def test_a_streamed_completion_through_the_relay_equals_the_direct_one() -> None:
@@ -40,7 +43,7 @@ async def test_a_streamed_completion_through_the_relay_equals_the_direct_one() -
     await server.start_server()
     body = {"model": "fake-model", "prompt": "hello", "max_tokens": 16, "stream": True}
     try:
-        async with _relay(server.port) as port, ClientSession() as s:  # type: ignore[arg-type]
+        async with _relay(server.port) as port, ClientSession(timeout=ClientTimeout(total=10)) as s:  # type: ignore[arg-type]
             async with s.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body) as r:
                 direct = await r.read()
             for _ in range(2):  # keep-alive: the second request reuses the relayed connection
