@@ -16,20 +16,20 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig, WorkerConfig, secret_hook, worker_errors
 from router.errors import ApiError, bad_request
-from router.health import HealthChecker, check_once
+from router.health import HealthChecker
 from router.http1 import Pool
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
 from router.requests import Kind, decode_json, parse
 from router.tokenize import PromptTokenizer
+from router.upstream import check_health
 
 log = logging.getLogger("router.app")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -50,34 +50,31 @@ class RouterState:
         self.metrics.watch_workers(self.balancer.all_workers)
         self.keys = cfg.client_keys()
         self.created = int(time.time())
-        self.session: aiohttp.ClientSession | None = None  # health checks
-        self.upstream: Pool | None = None  # request legs
+        self.upstream: Pool | None = None  # request legs and health checks
         self.checker: HealthChecker | None = None
         self.proxy: Proxy | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.upstream = Pool(self.cfg.timeouts.connect_s)
         self.proxy = Proxy(
             self.cfg, self.balancer, make_policy(self.cfg.policy), self.upstream, self.metrics, self.rng
         )
-        self.checker = HealthChecker(self.cfg.health, self.session, self.balancer.all_workers, self._changed)
+        self.checker = HealthChecker(self.cfg.health, self._check, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
         self.checker.start()
 
     async def initial_check(self, workers: list[Worker]) -> None:
         """One check per worker that sets its state directly (no streak needed at start-up or when added)."""
-        session = self.session
-        assert session is not None
-        results = await asyncio.gather(
-            *(check_once(session, w.url, self.cfg.health.timeout_s) for w in workers)
-        )
+        results = await asyncio.gather(*(self._check(w.url) for w in workers))
         for w, ok in zip(workers, results, strict=True):
             w.healthy = ok
             if not w.healthy:
                 log.warning("%s worker %s is not healthy yet", w.role, w.url)
             self._changed(w)
+
+    async def _check(self, url: str) -> bool:
+        assert self.upstream is not None
+        return await check_health(self.upstream, url, self.cfg.health.timeout_s)
 
     def _changed(self, worker: Any) -> None:
         self.balancer.decode.notify()
@@ -88,8 +85,6 @@ class RouterState:
             await self.checker.stop()
         if self.upstream is not None:
             self.upstream.close()
-        if self.session is not None:
-            await self.session.close()
 
 
 STATE = web.AppKey("state", RouterState)

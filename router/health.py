@@ -15,10 +15,8 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
-
-import aiohttp
 
 from router.config import CircuitConfig, HealthConfig
 
@@ -94,36 +92,26 @@ def apply_check(target: HealthTarget, ok: bool, cfg: HealthConfig) -> bool:
     return False
 
 
-async def check_once(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
-    """One ``GET {url}/health`` (vLLM and SGLang both answer 200 when ready)."""
-    try:
-        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status == 200
-    except (TimeoutError, aiohttp.ClientError, OSError):
-        return False
-
-
 class HealthChecker:
-    """Polls all workers concurrently each interval until ``stop()``."""
+    """Polls all workers concurrently each interval until ``stop()``; ``probe(url)`` is one check
+    (``upstream.check_health`` on the router's connection pool), True when the worker answered healthy."""
 
     def __init__(
         self,
         cfg: HealthConfig,
-        session: aiohttp.ClientSession,
+        probe: Callable[[str], Awaitable[bool]],
         targets: Callable[[], Iterable[HealthTarget]],
         on_change: Callable[[HealthTarget], None] = lambda t: None,
     ) -> None:
         self._cfg = cfg
-        self._session = session
+        self._probe = probe
         self._targets = targets
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
 
     async def run_once(self) -> None:
         targets = list(self._targets())
-        results = await asyncio.gather(
-            *(check_once(self._session, t.url, self._cfg.timeout_s) for t in targets)
-        )
+        results = await asyncio.gather(*(self._probe(t.url) for t in targets))
         for target, ok in zip(targets, results, strict=True):
             if apply_check(target, ok, self._cfg):
                 log.warning("worker %s is now %s", target.url, "healthy" if target.healthy else "UNHEALTHY")

@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for the router's upstream legs: keep-alive connections on asyncio protocols.
 
-Used by ``upstream.py`` in the router process for every leg to a worker (the health checker keeps aiohttp).
+Used by ``upstream.py`` in the router process for every leg to a worker and every health check.
 Why not aiohttp's client: its request machinery cost ~5x the CPU of the exchange itself per request
 (docs/performance.md, ## router), and the router makes one or two legs per client request. Parsing is
 llhttp's (``httptools``, the parser uvicorn uses): status, headers, chunked transfer decoding,
