@@ -12,6 +12,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -212,6 +213,8 @@ def worker_errors(w: WorkerConfig, role: str, flow: Flow) -> list[str]:
     errors = []
     if not (w.url.startswith("http://") or w.url.startswith("https://")):
         errors.append(f"url: must start with http:// or https://, got {w.url!r}")
+    elif urlsplit(w.url).path not in ("", "/"):  # legs and health checks use the server's own paths
+        errors.append(f"url: must be the server's base, scheme://host:port without a path, got {w.url!r}")
     if role == "prefill" and flow == "pd-push" and ":" not in w.bootstrap:
         errors.append("bootstrap: pd-push prefill workers need the connector side channel as 'host:port'")
     if role == "prefill" and flow == "sglang-bootstrap" and w.bootstrap_port <= 0:

@@ -39,6 +39,7 @@ def test_example_config_is_valid() -> None:
         (_minimal(timeouts={"idle_s": 0}), "timeouts.idle_s"),
         (_minimal(prefill=[{"url": "http://p:1"}]), "prefill[0].bootstrap"),
         (_minimal(decode=[{"url": "tcp://x"}]), "decode[0].url"),
+        (_minimal(decode=[{"url": "http://d:1/v1"}]), "decode[0].url: must be the server's base"),
         (_minimal(decode=[{"url": "http://a:1"}, {"url": "http://a:1"}]), "duplicate"),
         (_minimal(flow="nixl"), "flow"),
         (_minimal(retry={"jitter": 2.0}), "retry.jitter"),
