@@ -135,7 +135,14 @@ def _completions_handler(kind: Kind, path: str) -> Handler:
         assert state.proxy is not None
         raw = await _read_body(request)
         cfg = state.cfg
-        parsed = await parse(kind, raw, state.tokenizer, cfg.served_names(), cfg.model.max_model_len)
+        parsed = await parse(
+            kind,
+            raw,
+            state.tokenizer,
+            cfg.served_names(),
+            cfg.model.max_model_len,
+            cfg.policy.threshold_tokens,
+        )
         return await state.proxy.handle(request, parsed, path)
 
     return handle

@@ -432,7 +432,7 @@ class Proxy:
             log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
             if strip or "return_token_ids" in parsed.body:
                 body["return_token_ids"] = True
-            stitcher = Stitcher(state, parsed.prompt_tokens, strip)
+            stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip)
             with self.balancer.lease(decode):
                 try:
                     resp, first = await self._first_event(decode, path, msgspec.json.encode(body))
@@ -457,9 +457,10 @@ class Proxy:
         """All tokens were delivered before the worker died: close the stream as vLLM would."""
         opts = parsed.body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
+            prompt_tokens = await parsed.exact_prompt_tokens()
             usage = {
-                "prompt_tokens": parsed.prompt_tokens,
-                "total_tokens": parsed.prompt_tokens + state.tokens,
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + state.tokens,
                 "completion_tokens": state.tokens,
             }
             obj = "text_completion" if parsed.kind == "completions" else "chat.completion.chunk"

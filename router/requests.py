@@ -9,6 +9,7 @@ router relies on are type-checked, through a msgspec Struct, so a wrong type yie
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -50,11 +51,17 @@ class Parsed(msgspec.Struct):
     kind: Kind
     body: dict[str, Any]
     raw: bytes
+    # Exact, or (when ``recount`` is set) an upper bound proven below the disaggregation threshold.
     prompt_tokens: int
     max_tokens: int | None
     stream: bool
     # A single choice from a text prompt: a broken decode stream can be continued on another worker.
     resumable: bool
+    recount: Callable[[], Awaitable[int]] | None = None
+
+    async def exact_prompt_tokens(self) -> int:
+        """The prompt's real token count (what a resumed stream reports in its usage)."""
+        return self.prompt_tokens if self.recount is None else await self.recount()
 
 
 _PATH = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
@@ -104,10 +111,42 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _fits(longest: int, max_tokens: int | None, max_model_len: int) -> bool:
+    return longest < max_model_len if max_tokens is None else longest + max_tokens <= max_model_len
+
+
+async def _lengths(
+    prompts: Sequence[str | list[int]], tokenizer: PromptTokenizer, special: bool
+) -> list[int]:
+    return [await tokenizer.count_async(p, special) if isinstance(p, str) else len(p) for p in prompts]
+
+
+def _bounds(
+    prompts: Sequence[str | list[int]], tokenizer: PromptTokenizer, special: bool
+) -> list[int] | None:
+    bounds = []
+    for p in prompts:
+        bound = tokenizer.upper_bound(p, special) if isinstance(p, str) else len(p)
+        if bound is None:
+            return None
+        bounds.append(bound)
+    return bounds
+
+
 async def parse(
-    kind: Kind, raw: bytes, tokenizer: PromptTokenizer, served_names: tuple[str, ...], max_model_len: int
+    kind: Kind,
+    raw: bytes,
+    tokenizer: PromptTokenizer,
+    served_names: tuple[str, ...],
+    max_model_len: int,
+    count_from: int,
 ) -> Parsed:
-    """Validate ``raw``; raises ``ApiError`` (400/404) with an OpenAI-style message on any problem."""
+    """Validate ``raw``; raises ``ApiError`` (400/404) with an OpenAI-style message on any problem.
+
+    Prompts are counted exactly only when the count matters: a prompt whose ``upper_bound`` is below
+    ``count_from`` (the disaggregation threshold) and fits the context is routed as short on the bound alone,
+    and ``Parsed.recount`` counts it if a resumed stream needs the real number.
+    """
     body = decode_json(raw)
     spec: type[_Completion] | type[_Chat] = _Completion if kind == "completions" else _Chat
     try:
@@ -124,10 +163,10 @@ async def parse(
     if req.n < 1:
         raise bad_request(f"n must be at least 1, got {req.n}.", "n")
 
+    prompts: Sequence[str | list[int]]
     if isinstance(req, _Completion):
         prompt = req.prompt
-        prompts = _prompts(prompt)
-        lengths = [await tokenizer.count_async(p) if isinstance(p, str) else len(p) for p in prompts]
+        prompts, special = _prompts(prompt), True
         # echo puts the prompt into the stream: the text so far would not be the continuation point.
         resumable = isinstance(prompt, str) and req.n == 1 and not body.get("echo")
     else:
@@ -141,10 +180,18 @@ async def parse(
             body.get("tools"),
             req.chat_template_kwargs,
         )
-        lengths = [await tokenizer.count_async(text, add_special_tokens=False)]
+        prompts, special = [text], False  # the template writes the special tokens
         resumable = req.n == 1
+    bounds = _bounds(prompts, tokenizer, special)
+    if bounds is not None and sum(bounds) < count_from and _fits(max(bounds), max_tokens, max_model_len):
+
+        async def recount() -> int:
+            return sum(await _lengths(prompts, tokenizer, special))
+
+        return Parsed(kind, body, raw, sum(bounds), max_tokens, req.stream, resumable and req.stream, recount)
+    lengths = await _lengths(prompts, tokenizer, special)
     longest = max(lengths)
-    if longest >= max_model_len if max_tokens is None else longest + max_tokens > max_model_len:
+    if not _fits(longest, max_tokens, max_model_len):
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{longest} prompt tokens and {max_tokens or 0} completion tokens. Please reduce the length of the "
