@@ -122,12 +122,20 @@ async def _lengths(
 
 
 def _bounds(
-    prompts: Sequence[str | list[int]], tokenizer: PromptTokenizer, special: bool
+    prompts: Sequence[str | list[int]], tokenizer: PromptTokenizer, special: bool, below: int
 ) -> list[int] | None:
-    bounds = []
+    """Upper bounds of the prompts' token counts whose sum is below ``below``, or None when they cannot show
+    that (no bound for this tokenizer, or the prompts are not short)."""
+    bounds: list[int] = []
+    total = 0
     for p in prompts:
+        if isinstance(p, str) and len(p) >= below:  # a bound is at least the character count: no need to try
+            return None
         bound = tokenizer.upper_bound(p, special) if isinstance(p, str) else len(p)
         if bound is None:
+            return None
+        total += bound
+        if total >= below:
             return None
         bounds.append(bound)
     return bounds
@@ -182,8 +190,8 @@ async def parse(
         )
         prompts, special = [text], False  # the template writes the special tokens
         resumable = req.n == 1
-    bounds = _bounds(prompts, tokenizer, special)
-    if bounds is not None and sum(bounds) < count_from and _fits(max(bounds), max_tokens, max_model_len):
+    bounds = _bounds(prompts, tokenizer, special, count_from)
+    if bounds is not None and _fits(max(bounds), max_tokens, max_model_len):
 
         async def recount() -> int:
             return sum(await _lengths(prompts, tokenizer, special))
