@@ -192,9 +192,12 @@ async def parse(
         resumable = req.n == 1
     bounds = _bounds(prompts, tokenizer, special, count_from)
     if bounds is not None and _fits(max(bounds), max_tokens, max_model_len):
+        counted: list[int] = []  # the exact count, once taken (each resume of the stream asks again)
 
         async def recount() -> int:
-            return sum(await _lengths(prompts, tokenizer, special))
+            if not counted:
+                counted.append(sum(await _lengths(prompts, tokenizer, special)))
+            return counted[0]
 
         return Parsed(kind, body, raw, sum(bounds), max_tokens, req.stream, resumable and req.stream, recount)
     lengths = await _lengths(prompts, tokenizer, special)

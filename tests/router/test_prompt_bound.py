@@ -145,9 +145,11 @@ async def test_a_context_overflow_is_still_caught_exactly(make_cluster, bounded:
 
 
 async def test_a_resumed_stream_reports_the_exact_prompt_count(make_cluster, bounded: list[str]) -> None:
-    c = await make_cluster(n_decode=2)
+    c = await make_cluster(n_decode=3)
     c.decode[0].die_after_tokens = 3
-    c.state.balancer.decode.workers[1].active = 5  # D0 first
+    c.decode[1].die_after_tokens = 1
+    workers = c.state.balancer.decode.workers
+    workers[1].active, workers[2].active = 5, 10  # D0 first, then D1, then D2
     body = {
         "model": MODEL,
         "prompt": "a b c",
@@ -161,4 +163,5 @@ async def test_a_resumed_stream_reports_the_exact_prompt_count(make_cluster, bou
     usage = [p for p in payloads(raw) if isinstance(p, dict)][-1]["usage"]
     assert usage["prompt_tokens"] == 3  # the bound was 6
     assert usage["completion_tokens"] == 6
-    assert bounded == ["a b c"]  # counted once, for the resume
+    assert [len(engine.requests) for engine in c.decode] == [1, 1, 1]  # resumed twice
+    assert bounded == ["a b c"]  # counted once, for the first resume
