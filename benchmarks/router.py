@@ -66,11 +66,10 @@ TOKENS = 64
 DEFAULT_TOKEN_DELAY_MS = 5.0
 # Streamed requests per concurrency level and target, per round.
 REQUESTS = {1: 30, 16: 160, 64: 640}
-TARGETS = ("direct", "ours", "sglang_router", "byte_relay")
-ROUTERS = (
-    "ours",
-    "sglang_router",
-)  # what the targets are about; byte_relay is the floor they are read against
+ROUTERS = ("ours", "sglang_router")  # what the targets are about
+FLOOR = "byte_relay"  # a zero-work relay in the routers' place: what the extra hop alone adds
+RELAYS = (*ROUTERS, FLOOR)  # everything measured against the direct path
+TARGETS = ("direct", *RELAYS)
 
 
 def log(msg: str) -> None:
@@ -328,7 +327,7 @@ def _routers(tokenizer: Path, tmp: Path, upstream: str) -> dict[str, ManagedServ
             f"http://127.0.0.1:{sgl}/health",
             cwd=ROOT,
         ),
-        "byte_relay": ManagedServer(
+        FLOOR: ManagedServer(
             "byte-relay",
             ["taskset", "-c", "0", py, "-m", "benchmarks.byte_relay", str(relay), upstream.rsplit(":", 1)[1]],
             logs / f"byte-relay-{relay}.log",
@@ -384,7 +383,7 @@ async def measure(
     added: dict[str, dict[str, dict[str, float]]] = {}
     added_ttft: dict[str, dict[str, dict[str, float]]] = {}
     added_e2e: dict[str, dict[str, dict[str, float]]] = {}
-    for name in (*ROUTERS, "byte_relay"):
+    for name in RELAYS:
         added[name], added_ttft[name], added_e2e[name] = {}, {}, {}
         for c in CONCURRENCY:
             mine, direct = moved[name][c], moved["direct"][c]
@@ -438,14 +437,14 @@ async def measure(
     # Above the floor: what a router adds beyond what a zero-work byte relay in its place adds.
     over_floor = {
         name: {
-            f"c{c}": added_ms([t.total for t in moved[name][c]], [t.total for t in moved["byte_relay"][c]])
+            f"c{c}": added_ms([t.total for t in moved[name][c]], [t.total for t in moved[FLOOR][c]])
             for c in CONCURRENCY
         }
         for name in ROUTERS
     }
     return {
         "added_ms": added,
-        "max_rps": {name: round(statistics.median(rps[name])) for name in (*ROUTERS, "byte_relay")},
+        "max_rps": {name: round(statistics.median(rps[name])) for name in RELAYS},
         "added_over_byte_relay_ms": over_floor,
         "added_ttft_ms": added_ttft,
         "added_e2e_ms": added_e2e,
