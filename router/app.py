@@ -1,6 +1,7 @@
 """The router's aiohttp application: OpenAI endpoints, health/readiness, metrics and the admin API.
 
-Built by ``make_app(cfg)`` and served by ``cli.py`` (or by aiohttp's test server in unit tests). One
+Built by ``make_app(cfg)`` and served by ``cli.py`` behind the lean front (``front.py``), which answers most
+completion requests itself through ``complete``; unit tests serve it the same way. One
 ``RouterState`` per app holds the pools, the policy, the upstream connections and the metrics, so several routers
 can live in one process. Every error a client can cause is answered with an OpenAI-style 4xx body; request
 bodies and Authorization headers are never logged.
@@ -13,15 +14,17 @@ import hmac
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig, WorkerConfig, secret_hook, worker_errors
-from router.errors import ApiError, bad_request
+from router.downstream import Downstream, Reply, json_reply
+from router.errors import ApiError, aiohttp_response, bad_request
 from router.health import HealthChecker
 from router.http1 import Pool
 from router.metrics import CONTENT_TYPE, RouterMetrics
@@ -33,6 +36,9 @@ from router.upstream import check_health
 
 log = logging.getLogger("router.app")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Answer = TypeVar("Answer")
+#: The endpoints ``complete`` serves, by path.
+COMPLETIONS: Mapping[str, Kind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 class RouterState:
@@ -91,12 +97,33 @@ STATE = web.AppKey("state", RouterState)
 _PUBLIC = frozenset({"/health", "/ready", "/metrics"})
 
 
-def _authorized(state: RouterState, request: web.Request) -> bool:
-    if not state.keys or request.path in _PUBLIC:
+def _authorized(state: RouterState, path: str, authorization: str) -> bool:
+    if not state.keys or path in _PUBLIC:
         return True
-    header = request.headers.get("Authorization", "")
-    token = header[7:] if header.startswith("Bearer ") else ""
+    token = authorization[7:] if authorization.startswith("Bearer ") else ""
     return any(hmac.compare_digest(token.encode(), k.encode()) for k in state.keys)
+
+
+def too_large(state: RouterState) -> ApiError:
+    return ApiError(413, f"request body exceeds {state.cfg.server.max_body_bytes} bytes")
+
+
+async def answered(
+    state: RouterState, method: str, path: str, authorization: str, run: Callable[[], Awaitable[Answer]]
+) -> Answer | Reply:
+    """Check the API key, then ``run`` the endpoint; any error becomes its OpenAI-style reply.
+
+    Called by both servers (aiohttp's middleware and the lean front) so that they answer alike.
+    """
+    try:
+        if not _authorized(state, path, authorization):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        return await run()
+    except ApiError as e:
+        return e.reply()
+    except Exception:
+        log.exception("unexpected error on %s %s", method, path)
+        return ApiError(500, "internal router error").reply()
 
 
 @web.middleware
@@ -105,19 +132,19 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     endpoint = (
         request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     )
-    try:
-        if not _authorized(state, request):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-        resp = await handler(request)
-    except ApiError as e:
-        resp = e.response()
-    except web.HTTPRequestEntityTooLarge:
-        resp = ApiError(413, f"request body exceeds {state.cfg.server.max_body_bytes} bytes").response()
-    except web.HTTPException as e:  # aiohttp's own 404/405 for unknown paths and methods
-        resp = ApiError(e.status, e.reason).response()
-    except Exception:
-        log.exception("unexpected error on %s %s", request.method, request.path)
-        resp = ApiError(500, "internal router error").response()
+
+    async def run() -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(state) from None
+        except web.HTTPException as e:  # aiohttp's own 404/405 for unknown paths and methods
+            raise ApiError(e.status, e.reason) from None
+
+    answer = await answered(
+        state, request.method, request.path, request.headers.get("Authorization", ""), run
+    )
+    resp = aiohttp_response(answer) if isinstance(answer, Reply) else answer
     state.metrics.responses_for(endpoint, str(resp.status)).inc()
     return resp
 
@@ -129,21 +156,68 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
-def _completions_handler(kind: Kind, path: str) -> Handler:
+async def complete(state: RouterState, path: str, raw: bytes, client: Downstream) -> Reply | None:
+    """Serve a completion or chat request (``path`` in ``COMPLETIONS``) whose body is ``raw``.
+
+    Returns the reply, or None when the response went out as a stream to ``client``. Raises ``ApiError``.
+    """
+    assert state.proxy is not None
+    cfg = state.cfg
+    parsed = await parse(
+        COMPLETIONS[path],
+        raw,
+        state.tokenizer,
+        cfg.served_names(),
+        cfg.model.max_model_len,
+        cfg.policy.threshold_tokens,
+    )
+    return await state.proxy.handle(client, parsed, path)
+
+
+class _AiohttpStream:
+    """``Downstream`` over an aiohttp request: the SSE response is an aiohttp ``StreamResponse``."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    @property
+    def chunked(self) -> bool:
+        return self.response is not None and self.response.headers.get("Transfer-Encoding") == "chunked"
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._request.transport
+
+    async def start(self, headers: Mapping[str, str]) -> None:
+        response = web.StreamResponse(headers=headers)
+        try:
+            await response.prepare(self._request)
+        except aiohttp.ClientConnectionResetError as e:
+            raise ConnectionError(str(e)) from None
+        self.response = response
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        try:
+            await self.response.write(data)
+        except aiohttp.ClientConnectionResetError as e:
+            raise ConnectionError(str(e)) from None
+
+
+def _completions_handler(path: str) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
-        assert state.proxy is not None
-        raw = await _read_body(request)
-        cfg = state.cfg
-        parsed = await parse(
-            kind,
-            raw,
-            state.tokenizer,
-            cfg.served_names(),
-            cfg.model.max_model_len,
-            cfg.policy.threshold_tokens,
-        )
-        return await state.proxy.handle(request, parsed, path)
+        client = _AiohttpStream(request)
+        reply = await complete(state, path, await _read_body(request), client)
+        if reply is not None:
+            return aiohttp_response(reply)
+        assert client.response is not None
+        return client.response
 
     return handle
 
@@ -163,9 +237,7 @@ async def _models(request: web.Request) -> web.Response:
         }
         for name in cfg.served_names()
     ]
-    return web.Response(
-        body=msgspec.json.encode({"object": "list", "data": data}), content_type="application/json"
-    )
+    return aiohttp_response(json_reply(200, msgspec.json.encode({"object": "list", "data": data})))
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -222,7 +294,7 @@ def _admin_body(raw: bytes, spec: type[Any]) -> Any:
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+    return aiohttp_response(json_reply(status, msgspec.json.encode(obj)))
 
 
 async def _list_workers(request: web.Request) -> web.Response:
@@ -293,8 +365,8 @@ def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Applica
         await state.close()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/completions", _completions_handler("completions", "/v1/completions"))
-    app.router.add_post("/v1/chat/completions", _completions_handler("chat", "/v1/chat/completions"))
+    for path in COMPLETIONS:
+        app.router.add_post(path, _completions_handler(path))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)

@@ -1,7 +1,9 @@
 """``pd-router --config cluster.toml``: load the config and serve the router until SIGINT/SIGTERM.
 
-Runs the aiohttp app on uvloop when it is installed (lower per-request overhead), else on asyncio's loop.
-A config error exits with status 2 and the validation message, before anything is started.
+Serves the aiohttp app behind the lean front (``front.py``) on uvloop when it is installed (lower
+per-request overhead), else on asyncio's loop. A config error exits with status 2 and the validation
+message, before anything is started; SIGINT/SIGTERM close the listener, cancel requests in flight and run
+the app's clean-up.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import asyncio
 import gc
 import logging
+import signal
 import sys
 
 from aiohttp import web
 
 from router.app import make_app
 from router.config import ConfigError, load_config
+from router.front import make_runner
 
 
 async def _freeze_startup_objects(app: web.Application) -> None:
@@ -27,6 +31,22 @@ async def _freeze_startup_objects(app: web.Application) -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    runner = make_runner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        logging.getLogger("router.cli").info("pd-router serving on http://%s:%d", host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     app.on_startup.append(_freeze_startup_objects)  # after the app's own start-up (tokenizer, pools)
     host = args.host or cfg.server.host
     port = args.port or cfg.server.port
-    web.run_app(app, host=host, port=port, access_log=None, handler_cancellation=True, print=None)
+    asyncio.run(_serve(app, host, port))
     return 0
 
 

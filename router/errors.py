@@ -1,6 +1,6 @@
 """OpenAI-style error bodies (the shape vLLM returns) and the exception that carries them to the client.
 
-Raised anywhere while handling a request; ``app.py`` turns an ``ApiError`` into a JSON response. The body is
+Raised anywhere while handling a request; ``app.py`` and ``front.py`` turn an ``ApiError`` into a JSON response. The body is
 ``{"error": {"message", "type", "param", "code"}}``, which the official ``openai`` client parses into its
 typed exceptions.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+
+from router.downstream import Reply, json_reply
 
 
 class ErrorDetail(msgspec.Struct, omit_defaults=False):
@@ -50,11 +52,17 @@ class ApiError(Exception):
         detail = ErrorDetail(self.message, _TYPES.get(self.status, "Error"), self.param, self.status)
         return msgspec.json.encode(ErrorBody(detail))
 
-    def response(self) -> web.Response:
+    def reply(self) -> Reply:
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
-        return web.Response(
-            status=self.status, body=self.body(), content_type="application/json", headers=headers
-        )
+        return json_reply(self.status, self.body(), headers)
+
+    def response(self) -> web.Response:
+        """The reply as an aiohttp response (for aiohttp's handlers)."""
+        return aiohttp_response(self.reply())
+
+
+def aiohttp_response(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

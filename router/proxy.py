@@ -1,6 +1,7 @@
 """One client request from admission to its last byte: route, pick workers, send legs, retry, resume.
 
-Called by the completions / chat handlers in ``app.py`` (router process, one coroutine per request).
+Called by ``app.complete`` (router process, one coroutine per request), for requests the lean front
+(``front.py``) or aiohttp received; the client side is a ``Downstream`` either way.
 
 - Admission: more than ``server.max_pending`` requests in the router -> 429 with Retry-After. Every decode
   worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429.
@@ -10,7 +11,7 @@ Called by the completions / chat handlers in ``app.py`` (router process, one cor
 - After the first byte: a decode worker failure is resumed on another decode worker (``streaming.py``).
 - P failures: pd-push lets D recompute (its connector times out and prefills locally, per CONTRACT.md);
   vllm-standard tries another P, then prefills on D; sglang-bootstrap aborts the D leg and retries the pair.
-- Client disconnect (aiohttp cancels the handler): both legs are closed, which makes vLLM abort them.
+- Client disconnect (the server cancels the handler): both legs are closed, which makes vLLM abort them.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
+from router.downstream import Downstream, Reply, json_reply
 from router.errors import ApiError, overloaded
 from router.http1 import HttpError, Pool, Response
 from router.metrics import EventSeries, RouterMetrics
@@ -82,29 +82,29 @@ class Proxy:
 
     # ---- admission and routing ---------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request, parsed: Parsed, path: str) -> web.StreamResponse:
+    async def handle(self, client: Downstream, parsed: Parsed, path: str) -> Reply | None:
+        """Serve one parsed request; returns the reply, or None when it went out as a stream to ``client``."""
         if self.pending >= self.cfg.server.max_pending:
             self.metrics.requests_for(path, "rejected", "overload").inc()
             raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)
         self.pending += 1
         start = time.monotonic()
-        committed: list[web.StreamResponse] = []  # the client stream, once its headers went out
         try:
             decision = await self._decide(parsed, path)
             self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
             async with asyncio.timeout(self.cfg.timeouts.request_s):
-                resp = await self._attempts(request, parsed, path, decision.route, start, committed)
+                reply = await self._attempts(client, parsed, path, decision.route, start)
             self.metrics.e2e_for(decision.route.value).observe(time.monotonic() - start)
-            return resp
-        except asyncio.CancelledError:  # aiohttp cancels the handler when the client disconnects
+            return reply
+        except asyncio.CancelledError:  # the server cancels the handler when the client disconnects
             self.metrics.client_disconnects.inc()
             raise
         except TimeoutError:
-            if not committed:
+            if not client.started:
                 raise ApiError(504, "the request timed out") from None
             with contextlib.suppress(_ClientGone):
-                await self._write_error(committed[0], "the request timed out", 504)
-            return committed[0]
+                await self._write_error(client, "the request timed out", 504)
+            return None
         finally:
             self.pending -= 1
 
@@ -144,14 +144,8 @@ class Proxy:
         return base * self.rng.uniform(1 - r.jitter, 1 + r.jitter)
 
     async def _attempts(
-        self,
-        request: web.Request,
-        parsed: Parsed,
-        path: str,
-        route: Route,
-        start: float,
-        committed: list[web.StreamResponse],
-    ) -> web.StreamResponse:
+        self, client: Downstream, parsed: Parsed, path: str, route: Route, start: float
+    ) -> Reply | None:
         failed: set[Worker] = set()
         last: UpstreamError | None = None
         for attempt in range(self.cfg.retry.max_attempts):
@@ -164,13 +158,11 @@ class Proxy:
             prefill = self.balancer.pick_prefill(failed) if route is Route.DISAGG else None
             try:
                 if parsed.stream:
-                    return await self._stream(
-                        request, parsed, path, decode, prefill, failed, start, committed
-                    )
+                    return await self._stream(client, parsed, path, decode, prefill, failed, start)
                 return await self._unary(parsed, path, decode, prefill, failed)
             except UpstreamError as e:
                 if e.client_error:
-                    return web.Response(status=e.status, body=e.body, content_type="application/json")
+                    return json_reply(e.status, e.body)
                 last = e
                 log.warning("attempt %d failed: %s", attempt + 1, e)
         if last is None:
@@ -261,7 +253,7 @@ class Proxy:
 
     async def _unary(
         self, parsed: Parsed, path: str, decode: Worker, prefill: Worker | None, failed: set[Worker]
-    ) -> web.Response:
+    ) -> Reply:
         body, local, p_task = await self._decode_request(parsed, path, prefill, failed, {})
         try:
             with self.balancer.lease(decode):
@@ -272,27 +264,25 @@ class Proxy:
                     raise
             decode.circuit.record_success()
             route = "local" if local else "disagg"
-            return web.Response(body=data, content_type="application/json", headers={ROUTE_HEADER: route})
+            return json_reply(200, data, {ROUTE_HEADER: route})
         finally:
             _cancel(p_task)
 
     async def _stream(
         self,
-        request: web.Request,
+        client: Downstream,
         parsed: Parsed,
         path: str,
         decode: Worker,
         prefill: Worker | None,
         failed: set[Worker],
         start: float,
-        committed: list[web.StreamResponse],
-    ) -> web.StreamResponse:
+    ) -> Reply | None:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
         strip = _wants_ids(parsed, decode)
         extra = {"return_token_ids": True} if strip else {}
         body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
         route = "local" if local else "disagg"
-        client: _RelayedResponse | None = None
         state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
         try:
             with self.balancer.lease(decode):
@@ -302,25 +292,23 @@ class Proxy:
                     self._blame(e, decode, prefill, failed)
                     raise
                 try:
-                    client = _RelayedResponse(request, route)
                     try:
-                        await client.prepare(request)
-                    except (ConnectionError, aiohttp.ClientConnectionResetError):
+                        await client.start({**_SSE_HEADERS, ROUTE_HEADER: route})
+                    except ConnectionError:
                         raise _ClientGone from None
-                    committed.append(client)
                     self.metrics.ttft_for(route).observe(time.monotonic() - start)
                     err = await self._relay(client, resp, decode, first, state, None, route, strip)
                 finally:
                     resp.close()
             if err is None:
                 decode.circuit.record_success()
-                return client
+                return None
             self._fail(decode, err, failed)
             await self._resume(client, parsed, path, state, err, failed, route, strip)
-            return client
+            return None
         except _ClientGone:
             self.metrics.client_disconnects.inc()
-            return client or web.Response(status=499)
+            return None if client.started else Reply(499)
         finally:
             _cancel(p_task)
 
@@ -345,7 +333,7 @@ class Proxy:
 
     async def _relay(
         self,
-        client: _RelayedResponse,
+        client: Downstream,
         resp: Response,
         worker: Worker,
         first: bytes,
@@ -356,7 +344,7 @@ class Proxy:
     ) -> UpstreamError | None:
         """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
-        The first event goes out through aiohttp (which sends the headers with it); the rest are relayed by a
+        The first event goes out through ``client.write``; the rest are relayed by a
         ``_Pump`` inside the upstream connection's read callback, byte for byte, all complete events of one
         read in one write. This coroutine only waits for the end, an error, the idle timeout or a slow client.
         After ``[DONE]`` the upstream connection is released for reuse; the caller closes it on any other exit.
@@ -375,11 +363,10 @@ class Proxy:
         if first.endswith(DONE):
             resp.release()  # keep-alive: the connection serves the next leg
             return None
-        transport = client.transport_for_relay
+        transport = client.transport
         if transport is None:
-            raise RuntimeError("the client response was not prepared for relaying")
-        chunked = client.headers.get("Transfer-Encoding") == "chunked"
-        pump = _Pump(transport, chunked, transform, self.metrics.itl_for(route), resp)
+            raise _ClientGone
+        pump = _Pump(transport, client.chunked, transform, self.metrics.itl_for(route), resp)
         resp.divert(pump.feed)
         idle = self.cfg.timeouts.idle_s
         try:
@@ -409,7 +396,7 @@ class Proxy:
 
     async def _resume(
         self,
-        client: _RelayedResponse,
+        client: Downstream,
         parsed: Parsed,
         path: str,
         state: StreamState | None,
@@ -453,7 +440,7 @@ class Proxy:
             client, f"the decode worker failed mid-stream and could not be resumed: {err}"
         )
 
-    async def _finish(self, client: web.StreamResponse, state: StreamState, parsed: Parsed) -> None:
+    async def _finish(self, client: Downstream, state: StreamState, parsed: Parsed) -> None:
         """All tokens were delivered before the worker died: close the stream as vLLM would."""
         opts = parsed.body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
@@ -475,16 +462,16 @@ class Proxy:
             await self._write(client, b"data: " + msgspec.json.encode(chunk) + b"\n\n")
         await self._write(client, DONE)
 
-    async def _write_error(self, client: web.StreamResponse, message: str, status: int = 502) -> None:
+    async def _write_error(self, client: Downstream, message: str, status: int = 502) -> None:
         """An error after the headers went out: an OpenAI error object as the last event, then [DONE]."""
         err = ApiError(status, message)
         await self._write(client, b"data: " + err.body() + b"\n\n")
         await self._write(client, DONE)
 
-    async def _write(self, client: web.StreamResponse, data: bytes) -> None:
+    async def _write(self, client: Downstream, data: bytes) -> None:
         try:
             await client.write(data)
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
+        except ConnectionError:
             raise _ClientGone from None
 
 
@@ -495,21 +482,13 @@ _LOW_WATER = 1 << 14
 _DRAIN_POLL_S = 0.002
 
 
-class _RelayedResponse(web.StreamResponse):
-    """The client's SSE response, which also keeps the connection's transport for ``_Pump``'s writes."""
-
-    def __init__(self, request: web.Request, route: str) -> None:
-        super().__init__(headers={**_SSE_HEADERS, ROUTE_HEADER: route})
-        self.transport_for_relay = request.transport
-
-
 class _Pump:
     """Relays a stream's events inside the upstream connection's read callback (``Response.divert``).
 
     Per event this saves the task switch, the futures and aiohttp's write coroutines of a coroutine relay
     (the relay's CPU per event is what queues other streams' events and new requests on a busy router).
-    Writes go straight to the client's transport, framed exactly as aiohttp frames chunks, after aiohttp
-    has sent the headers and the first event. Never raises: a failure is kept for ``_relay`` to raise.
+    Writes go straight to the client's transport, framed as the downstream frames its body (HTTP/1.1 chunks
+    or, for HTTP/1.0, raw), after the downstream has sent the headers and the first event. Never raises: a failure is kept for ``_relay`` to raise.
     """
 
     def __init__(

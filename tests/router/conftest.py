@@ -16,11 +16,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.web_runner import AppRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pd_disagg.fake_vllm import FakeEngine
 from router.app import STATE, RouterState, make_app
 from router.config import RouterConfig, parse_config
+from router.front import FrontRunner
 
 MODEL = "fake-model"
 CHAT_TEMPLATE = (
@@ -41,6 +43,23 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     (root / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return root
+
+
+class RouterServer(TestServer):
+    """aiohttp's test server for the router app, serving through the lean front as ``pd-router`` does."""
+
+    async def _make_runner(self, **kwargs: Any) -> AppRunner:
+        return FrontRunner(self.app, **kwargs)
+
+
+@pytest.fixture(params=["front", "aiohttp"])
+def router_server(request: pytest.FixtureRequest) -> type[TestServer]:
+    """How the router is served: behind the front (as ``pd-router`` runs), or by aiohttp alone.
+
+    The second is what a connection gets once the front handed it to aiohttp (its first request was not a
+    completion), so every router test runs on both.
+    """
+    return RouterServer if request.param == "front" else TestServer
 
 
 @dataclass
@@ -73,7 +92,7 @@ MakeCluster = Callable[..., Any]
 
 
 @pytest.fixture
-async def make_cluster(tokenizer_dir: Path) -> AsyncIterator[MakeCluster]:
+async def make_cluster(tokenizer_dir: Path, router_server: type[TestServer]) -> AsyncIterator[MakeCluster]:
     clusters: list[Cluster] = []
 
     async def make(n_prefill: int = 1, n_decode: int = 2, flow: str = "pd-push", **overrides: Any) -> Cluster:
@@ -107,7 +126,7 @@ async def make_cluster(tokenizer_dir: Path) -> AsyncIterator[MakeCluster]:
                 table[section] = value
         cfg: RouterConfig = parse_config(table)
         app: web.Application = make_app(cfg, random.Random(0))
-        cluster.client = TestClient(TestServer(app))
+        cluster.client = TestClient(router_server(app))
         await cluster.client.start_server()
         return cluster
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import httptools
 import pytest
 
-from router import proxy
+from router import app, front, proxy
 from router.http1 import Response
 from router.metrics import EventHistogram
 from tests.router.conftest import MODEL, short_prompt
@@ -122,6 +124,14 @@ async def _slow_read(port: int, body: bytes, pause_s: float) -> bytes:
     return b"".join(chunks)
 
 
+def _small_send_buffer(start: Callable[[Any, Mapping[str, str]], Awaitable[None]]) -> Any:
+    async def start_small(self: Any, headers: Mapping[str, str]) -> None:
+        self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await start(self, headers)
+
+    return start_small
+
+
 async def test_a_slow_client_gets_every_event_and_pauses_the_upstream(make_cluster, monkeypatch) -> None:
     pauses: list[bool] = []
     original = Response.pause_reading
@@ -133,13 +143,8 @@ async def test_a_slow_client_gets_every_event_and_pauses_the_upstream(make_clust
     monkeypatch.setattr(Response, "pause_reading", spy)
     # Loopback socket buffers grow to megabytes before the router's own buffer does: keep the router's
     # send buffer small, as a slow network would.
-    init = proxy._RelayedResponse.__init__
-
-    def small_send_buffer(self: proxy._RelayedResponse, request, route: str) -> None:
-        init(self, request, route)
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-
-    monkeypatch.setattr(proxy._RelayedResponse, "__init__", small_send_buffer)
+    for stream in (front._Stream, app._AiohttpStream):  # whichever server carries the request
+        monkeypatch.setattr(stream, "start", _small_send_buffer(stream.start))
     c = await make_cluster(n_decode=1)
     body = {"model": MODEL, "prompt": short_prompt(), "max_tokens": 1500, "stream": True}
     port = c.router.server.port
