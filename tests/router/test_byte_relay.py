@@ -60,5 +60,9 @@ async def test_client_is_closed_when_the_upstream_is_unreachable() -> None:
     async with _relay(free_port()) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing sent
+        try:
+            received = await asyncio.wait_for(reader.read(), 5)
+        except ConnectionResetError:  # closed with our request unread: the kernel resets instead of FIN
+            received = b""
+        assert received == b""  # closed, nothing sent
         writer.close()
