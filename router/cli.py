@@ -2,8 +2,9 @@
 
 Serves the aiohttp app behind the lean front (``front.py``) on uvloop when it is installed (lower
 per-request overhead), else on asyncio's loop. A config error exits with status 2 and the validation
-message, before anything is started; SIGINT/SIGTERM close the listener, cancel requests in flight and run
-the app's clean-up.
+message, before anything is started. SIGINT/SIGTERM close the listener and idle connections, give requests
+in flight up to 60 s to finish (aiohttp's shutdown timeout), cancel the rest and run the app's clean-up; a
+second signal exits at once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process without waiting
+            loop.remove_signal_handler(sig)
     finally:
         await runner.cleanup()
 

@@ -1,0 +1,87 @@
+"""``pd-router`` as a process (``python -m router.cli``): it serves through the front, and SIGTERM lets a
+stream in flight finish before the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from pd_disagg.fake_vllm import FakeEngine
+from pd_disagg.servers import free_port
+from tests.router.conftest import MODEL, short_prompt
+from tests.router.sse import payloads
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
+    fake = FakeEngine(model=MODEL, token_delay_s=0.02)
+    server = TestServer(fake.app())
+    await server.start_server()
+    yield fake, str(server.make_url("")).rstrip("/")
+    await server.close()
+
+
+async def _router(tmp_path: Path, tokenizer_dir: Path, upstream: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[model]\npath = "{MODEL}"\ntokenizer = "{tokenizer_dir}"\nmax_model_len = 4096\n'
+        f'[[decode]]\nurl = "{upstream}"\n[server]\nport = {port}\n'
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--config", str(config)])
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):  # until it answers (start-up runs a first health round)
+            assert proc.poll() is None, "pd-router exited"
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/ready") as r:
+                    if r.status == 200:
+                        return proc, port
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.05)
+    proc.kill()
+    raise AssertionError("pd-router did not become ready")
+
+
+async def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path, tokenizer_dir: Path, engine) -> None:
+    fake, upstream = engine
+    proc, port = await _router(tmp_path, tokenizer_dir, upstream)
+    try:
+        body = {"model": MODEL, "prompt": short_prompt(), "max_tokens": 25, "stream": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+            assert r.status == 200 and r.headers["X-PD-Route"] == "local"
+            assert "Server" not in r.headers  # the front answered (aiohttp's server names itself)
+            first = await r.content.readuntil(b"\n\n")  # the stream is under way
+            proc.send_signal(signal.SIGTERM)
+            rest = await r.read()
+        events = payloads(first + rest)
+        assert events[-1] == "[DONE]" and len(events) == 26  # 25 tokens, none lost to the shutdown
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        assert fake.finished == 1 and fake.abandoned == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+async def test_sigterm_on_an_idle_router_exits_at_once(tmp_path: Path, tokenizer_dir: Path, engine) -> None:
+    _, upstream = engine
+    proc, _ = await _router(tmp_path, tokenizer_dir, upstream)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
