@@ -38,6 +38,7 @@ from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
 from pd_connector.transport.cma import CmaConfig, build_iovecs, call_bounds, decode_descriptor, vm_call
 from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
+from pd_connector.transport.hugepages import huge_page_bytes
 from pd_connector.transport.regions import RegionIndex, RegionTable, plan
 from pd_connector.transport.ucx import UcxConfig
 
@@ -66,26 +67,22 @@ def log(msg: str) -> None:
 class Memory:
     """One 64 MiB message buffer (aliased by one region per size) and the KV pool (64 regions).
 
-    Every path, the memcpy ceiling included, gets the same kind of pages. ``huge=True``: numpy arrays, which
-    numpy itself advises ``MADV_HUGEPAGE`` (arrays of 4 MiB or more), so they are transparent huge pages
-    like the memory the UCX transport's ``huge_pages`` setting produces. ``huge=False``: anonymous mappings
-    advised ``MADV_NOHUGEPAGE`` before first touch, i.e. 4 KiB pages as a torch-allocated KV cache has them
-    unless advised (and the transport's ``huge_pages`` is switched off).
+    Every path, the memcpy ceiling included, gets the same kind of pages. ``huge=True``: anonymous mappings
+    aligned to 2 MiB and advised ``MADV_HUGEPAGE`` before first touch, so they are transparent huge pages end
+    to end, like the memory the UCX transport's ``huge_pages`` setting produces in a KV cache of gigabytes.
+    (numpy's own arrays are advised too, but they start anywhere in a huge page: the partial huge pages at
+    both ends keep 4 KiB pages, a few per cent of a 64 MiB buffer and a share that a real cache does not have,
+    which slowed the pinning paths, cma and UCX shared memory, more than the memcpy ceiling.)
+    ``huge=False``: anonymous mappings advised ``MADV_NOHUGEPAGE`` before first touch, i.e. 4 KiB pages as a
+    torch-allocated KV cache has them unless advised (and the transport's ``huge_pages`` is switched off).
     """
 
     def __init__(self, fill: bool, huge: bool) -> None:
         rng = np.random.default_rng(1)
         shape_kv = (KV_REGIONS, POOL_BLOCKS, KV_BLOCK)
-        if huge:
-            self.messages = (
-                rng.integers(0, 256, MESSAGE_BYTES, dtype=np.uint8)
-                if fill
-                else np.zeros(MESSAGE_BYTES, np.uint8)
-            )
-            self.kv = rng.integers(0, 256, shape_kv, dtype=np.uint8) if fill else np.zeros(shape_kv, np.uint8)
-            return
-        self.messages = _small_pages(MESSAGE_BYTES)
-        self.kv = _small_pages(KV_REGIONS * POOL_BLOCKS * KV_BLOCK).reshape(shape_kv)
+        pages = _huge_pages if huge else _small_pages
+        self.messages = pages(MESSAGE_BYTES)
+        self.kv = pages(KV_REGIONS * POOL_BLOCKS * KV_BLOCK).reshape(shape_kv)
         if fill:
             self.messages[:] = rng.integers(0, 256, self.messages.shape, dtype=np.uint8)
             self.kv[:] = rng.integers(0, 256, shape_kv, dtype=np.uint8)
@@ -107,6 +104,16 @@ def _small_pages(nbytes: int) -> np.ndarray:
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     area.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(area, dtype=np.uint8)
+
+
+def _huge_pages(nbytes: int) -> np.ndarray:
+    """Zeroed, not yet touched memory starting on a huge-page boundary and advised to huge pages."""
+    page = huge_page_bytes()
+    area = mmap.mmap(-1, nbytes + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(area, dtype=np.uint8)
+    start = -whole.ctypes.data % page
+    area.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return whole[start : start + nbytes]
 
 
 def fragmented_blocks(seed: int) -> list[int]:
