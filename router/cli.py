@@ -3,7 +3,7 @@
 Serves the aiohttp app behind the lean front (``front.py``) on uvloop when it is installed (lower
 per-request overhead), else on asyncio's loop. A config error exits with status 2 and the validation
 message, before anything is started. SIGINT/SIGTERM close the listener and idle connections, give requests
-in flight up to 60 s to finish (aiohttp's shutdown timeout), cancel the rest and run the app's clean-up; a
+in flight up to ``server.shutdown_timeout_s`` to finish, cancel the rest and run the app's clean-up; a
 second signal exits at once.
 """
 

@@ -46,6 +46,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Requests admitted at once (in flight + waiting for a decode slot); beyond it: 429.
     max_pending: int = 4096
     retry_after_s: int = 1
+    # Seconds an idle client connection stays open.
+    keepalive_s: float = 75.0
+    # Seconds requests in flight get to finish after SIGINT/SIGTERM before they are cancelled.
+    shutdown_timeout_s: float = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
@@ -170,6 +174,7 @@ def _check(cfg: RouterConfig) -> None:
         "server.port": cfg.server.port,
         "server.max_body_bytes": cfg.server.max_body_bytes,
         "server.max_pending": cfg.server.max_pending,
+        "server.keepalive_s": cfg.server.keepalive_s,
         "model.max_model_len": cfg.model.max_model_len,
         "policy.decode_max_active": cfg.policy.decode_max_active,
         "policy.prefill_saturated_tokens": cfg.policy.prefill_saturated_tokens,
@@ -187,6 +192,8 @@ def _check(cfg: RouterConfig) -> None:
         "circuit.open_s": cfg.circuit.open_s,
     }
     errors += [f"{name}: must be > 0, got {value}" for name, value in positive.items() if value <= 0]
+    if cfg.server.shutdown_timeout_s < 0:
+        errors.append("server.shutdown_timeout_s: must be >= 0")
     if cfg.policy.threshold_tokens < 0:
         errors.append("policy.threshold_tokens: must be >= 0")
     if not 0.0 <= cfg.policy.decode_headroom_fraction <= 1.0:

@@ -23,9 +23,10 @@ objects.
   where it starts): anything but a completion there gets 400 and the connection is closed. HTTP clients do
   not pipeline; pipelined completions are answered in order.
 - A client that disconnects cancels its request's task, as aiohttp's ``handler_cancellation`` does, which
-  closes both legs (vLLM aborts them). A connection idle for ``KEEPALIVE_S`` is closed.
+  closes both legs (vLLM aborts them). A connection idle for ``server.keepalive_s`` is closed.
 - Shutdown (the runner's clean-up), as aiohttp does it: idle connections close at once, requests in flight
-  get the runner's ``shutdown_timeout`` to finish (their connections close after them), then are cancelled.
+  get the runner's shutdown timeout (``server.shutdown_timeout_s``) to finish (their connections close after
+  them), then are cancelled.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
-from typing import Any, cast
+from typing import cast
 
 import httptools
 from aiohttp import web
@@ -52,8 +53,6 @@ from router.errors import ApiError
 
 log = logging.getLogger("router.front")
 
-#: Seconds an idle keep-alive connection stays open (aiohttp's default).
-KEEPALIVE_S = 75.0
 #: Requests parsed ahead of the one being answered before reading pauses (pipelining clients only).
 _MAX_QUEUED = 8
 _STARTS = tuple(f"POST {path}".encode() for path in COMPLETIONS)
@@ -370,7 +369,7 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     def _arm_idle(self) -> None:
-        self._idle = asyncio.get_running_loop().call_later(KEEPALIVE_S, self._close_idle)
+        self._idle = asyncio.get_running_loop().call_later(self.front.keepalive_s, self._close_idle)
 
     def _disarm_idle(self) -> None:
         if self._idle is not None:
@@ -408,6 +407,7 @@ class Front:
         self._aiohttp = aiohttp_server
         self.state = state
         self.max_body = state.cfg.server.max_body_bytes
+        self.keepalive_s = state.cfg.server.keepalive_s
         self.dates = _Dates()
         self.connections: set[_Connection] = set()
 
@@ -447,6 +447,13 @@ class FrontRunner(web.AppRunner):
         return cast(Server, Front(aiohttp_server, self.app[STATE]))
 
 
-def make_runner(app: web.Application, **kwargs: Any) -> FrontRunner:
-    """The runner ``cli.py`` serves the router with (aiohttp's runner options in ``kwargs``)."""
-    return FrontRunner(app, handler_cancellation=True, access_log=None, **kwargs)
+def make_runner(app: web.Application) -> FrontRunner:
+    """The runner ``cli.py`` serves the router with: the ``[server]`` timeouts apply to both servers."""
+    server = app[STATE].cfg.server
+    return FrontRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=server.keepalive_s,
+        shutdown_timeout=server.shutdown_timeout_s,
+    )

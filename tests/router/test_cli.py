@@ -31,12 +31,14 @@ async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
     await server.close()
 
 
-async def _router(tmp_path: Path, tokenizer_dir: Path, upstream: str) -> tuple[subprocess.Popen[bytes], int]:
+async def _router(
+    tmp_path: Path, tokenizer_dir: Path, upstream: str, server: str = ""
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     config = tmp_path / "router.toml"
     config.write_text(
         f'[model]\npath = "{MODEL}"\ntokenizer = "{tokenizer_dir}"\nmax_model_len = 4096\n'
-        f'[[decode]]\nurl = "{upstream}"\n[server]\nport = {port}\n'
+        f'[[decode]]\nurl = "{upstream}"\n[server]\nport = {port}\n{server}'
     )
     proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--config", str(config)])
     async with aiohttp.ClientSession() as session:
@@ -81,6 +83,31 @@ async def test_sigterm_on_an_idle_router_exits_at_once(tmp_path: Path, tokenizer
     try:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+async def test_a_stream_longer_than_the_shutdown_timeout_is_cut(
+    tmp_path: Path, tokenizer_dir: Path, engine
+) -> None:
+    fake, upstream = engine
+    proc, port = await _router(tmp_path, tokenizer_dir, upstream, "shutdown_timeout_s = 0.3\n")
+    try:
+        body = {"model": MODEL, "prompt": short_prompt(), "max_tokens": 500, "stream": True}  # ~10 s
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
+            await r.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(aiohttp.ClientPayloadError):  # the chunked body never ends properly
+                await r.read()
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        for _ in range(100):  # the decode leg was closed, so the worker abandons it
+            if fake.abandoned:
+                break
+            await asyncio.sleep(0.05)
+        assert fake.abandoned == 1 and fake.finished == 0
     finally:
         if proc.poll() is None:
             proc.kill()

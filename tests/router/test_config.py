@@ -21,6 +21,7 @@ def test_minimal_config_gets_documented_defaults() -> None:
     assert cfg.flow == "pd-push"
     assert cfg.policy.threshold_tokens == 256
     assert cfg.server.port == 8080
+    assert (cfg.server.keepalive_s, cfg.server.shutdown_timeout_s) == (75.0, 60.0)
     assert cfg.served_names() == ("m",)
     assert cfg.tokenizer_dir() == "m"
 
@@ -43,6 +44,8 @@ def test_example_config_is_valid() -> None:
         (_minimal(decode=[{"url": "http://a:1"}, {"url": "http://a:1"}]), "duplicate"),
         (_minimal(flow="nixl"), "flow"),
         (_minimal(retry={"jitter": 2.0}), "retry.jitter"),
+        (_minimal(server={"keepalive_s": 0}), "server.keepalive_s"),
+        (_minimal(server={"shutdown_timeout_s": -1}), "server.shutdown_timeout_s"),
         (_minimal(flow="sglang-bootstrap", prefill=[{"url": "http://p:1"}]), "bootstrap_port"),
     ],
 )

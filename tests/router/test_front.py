@@ -295,9 +295,8 @@ async def test_api_key_is_checked_on_the_front(make_cluster) -> None:
     assert refused.status == 401 and served.status == 200
 
 
-async def test_idle_keep_alive_connections_are_closed(make_cluster, monkeypatch) -> None:
-    monkeypatch.setattr(front, "KEEPALIVE_S", 0.2)
-    _, port = await _router(make_cluster)
+async def test_idle_keep_alive_connections_are_closed(make_cluster) -> None:
+    _, port = await _router(make_cluster, server__keepalive_s=0.2)
     conn = await _Conn.open(port)
     conn.send(_post("/v1/completions", _completion()))
     [answer] = await conn.answers(1)
