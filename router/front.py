@@ -331,7 +331,11 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, error: ApiError) -> None:
         """Answer ``error`` now and close: the request stream cannot be followed any further."""
-        self.front.state.metrics.responses_for("unmatched", str(error.status)).inc()
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        log.info("closing the connection from %s: %d %s", peer, error.status, error.message)
+        path = self._url.partition(b"?")[0].decode("latin-1")
+        endpoint = path if path in COMPLETIONS else "unmatched"  # bounded label values
+        self.front.state.metrics.responses_for(endpoint, str(error.status)).inc()
         if self._task is None:
             with contextlib.suppress(ConnectionError):
                 self._reply(error.reply(), keep_alive=False)

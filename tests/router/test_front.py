@@ -233,7 +233,7 @@ async def test_expect_100_continue(make_cluster) -> None:
 
 
 async def test_bodies_over_the_limit_get_413_and_the_connection_closes(make_cluster) -> None:
-    _, port = await _router(make_cluster, server__max_body_bytes=1000)
+    c, port = await _router(make_cluster, server__max_body_bytes=1000)
     declared = await _Conn.open(port)  # refused on its Content-Length, before the body is read
     declared.send(_post("/v1/completions", b"x" * 10, "Content-Length: 5000")[:-10])
     [answer] = await declared.answers(1)
@@ -245,6 +245,8 @@ async def test_bodies_over_the_limit_get_413_and_the_connection_closes(make_clus
         chunked.send(b"258\r\n" + b"x" * 600 + b"\r\n")
     [answer] = await chunked.answers(1)
     assert answer.status == 413 and await chunked.wait_closed()
+    labels = {"endpoint": "/v1/completions", "status": "413"}
+    assert c.state.metrics.registry.get_sample_value("pd_router_responses_total", labels) == 2
 
 
 async def test_a_chunked_request_body_is_served(make_cluster) -> None:
