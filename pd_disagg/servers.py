@@ -151,8 +151,9 @@ class ManagedServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, sig)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``; safe to call twice."""
+    def stop(self, grace_s: float = 10.0, gone_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``, and return once no member is left alive
+        (or after ``gone_s`` more); safe to call twice."""
         if self.proc is None:
             return
         self.kill(signal.SIGTERM)
@@ -162,6 +163,11 @@ class ManagedServer:
         self.kill(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        # A killed worker is still alive while the kernel frees its memory (GBs for an engine): wait for it,
+        # so that the caller's next server finds the cores and memory free.
+        deadline = time.monotonic() + gone_s
+        while process_group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager

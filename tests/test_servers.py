@@ -44,8 +44,7 @@ def test_running_waits_for_health_and_stops_the_group(tmp_path: Path) -> None:
     with running(_http_server(tmp_path, free_port(), extra), timeout_s=20) as server:
         pgid = server.pid
         assert len(process_group_members(pgid)) >= 2
-    time.sleep(0.2)
-    assert process_group_members(pgid) == []
+    assert process_group_members(pgid) == []  # stop() returns only once the group is gone
 
 
 def test_exit_before_health_raises_with_log(tmp_path: Path) -> None:
