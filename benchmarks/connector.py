@@ -4,7 +4,7 @@
 takes longer than sending that layer). P is pinned to core 0 and D to core 1; every request uses a fresh
 random prompt (no prefix-cache hits), after one warm-up request per configuration. In the same run:
 - colocated: the prompt streamed from one server (D of the PD pair, no transfer parameters);
-- pd: our push flow (P and D legs sent concurrently, CONTRACT.md); TTFT = first token on D's stream;
+- pd: our push flow (P and D legs sent concurrently, docs/wire-contract.md); TTFT = first token on D's stream;
 - nixl: vLLM's standard flow (P with max_tokens=1, then D with the kv_transfer_params P returned).
 Transfer time: PD = P's summed layer-write seconds (``vllm:pd_connector_write_seconds_total``), exposed =
 P's ``vllm:pd_connector_exposed_seconds`` (end of the last layer until every write landed); NIXL pulls after

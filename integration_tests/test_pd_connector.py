@@ -4,7 +4,7 @@ One P and one D run at a time (P pinned to core 0, D to core 1) and are shared b
 that needs D without prefix caching or with another ``kv_load_failure_policy``, or that killed a server,
 restarts only that one through ``Cluster``. Server starts dominate the wall time, so the tests that kill
 servers come last, and the tests that need another D follow the test that killed D. Requests follow
-CONTRACT.md through ``pd_disagg.pd_client`` (both legs sent concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
+docs/wire-contract.md through ``pd_disagg.pd_client`` (both legs sent concurrently, or vLLM's standard P-then-D flow). The colocated reference is a plain request to P, which runs
 without prefix caching, so every reference is computed from scratch.
 """
 
@@ -58,7 +58,7 @@ def body(prompt: list[int], max_tokens: int = MAX_TOKENS, **extra: Any) -> dict[
 
 
 def decode_params(transfer_id: str, prefill_addr: str) -> dict[str, Any]:
-    """D's kv_transfer_params in our push flow (CONTRACT.md)."""
+    """D's kv_transfer_params in our push flow (docs/wire-contract.md)."""
     return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": prefill_addr}
 
 
@@ -276,7 +276,7 @@ ROUTER_THRESHOLD = 64  # prompts of at least this many tokens take the P->D path
 
 @pytest.fixture(scope="module")
 def router(start_servers, cluster: Cluster, tmp_path_factory, log_dir: Path) -> str:
-    """pd-router (a real process) in front of the module's P and D, in our push flow (CONTRACT.md)."""
+    """pd-router (a real process) in front of the module's P and D, in our push flow (docs/wire-contract.md)."""
     cluster.ensure(prefix_caching=True)
     config = write_router_config(
         tmp_path_factory.mktemp("pd-router") / "router.toml",

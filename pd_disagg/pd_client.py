@@ -1,4 +1,4 @@
-"""A minimal client of the P/D flows in CONTRACT terms, for tests and benchmarks (harness process).
+"""A minimal client of the P/D flows as docs/wire-contract.md defines them, for tests and benchmarks (harness process).
 
 Not the router: no load balancing, retries or streaming. It speaks exactly what the router sends, so tests
 can prove the connector without depending on the router: ``disaggregated`` sends both legs concurrently

@@ -9,7 +9,7 @@ Called by ``app.complete`` (router process, one coroutine per request), for requ
 - Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
   stream) is retried on other workers with exponential backoff and jitter, at most ``retry.max_attempts``.
 - After the first byte: a decode worker failure is resumed on another decode worker (``streaming.py``).
-- P failures: pd-push lets D recompute (its connector times out and prefills locally, per CONTRACT.md);
+- P failures: pd-push lets D recompute (its connector times out and prefills locally, per docs/wire-contract.md);
   vllm-standard tries another P, then prefills on D; sglang-bootstrap aborts the D leg and retries the pair.
 - Client disconnect (the server cancels the handler): both legs are closed, which makes vLLM abort them.
 """

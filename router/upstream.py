@@ -3,7 +3,7 @@
 Runs in the router process on its shared keep-alive connection pool (``http1.Pool``). A leg either returns the
 upstream's answer or raises ``UpstreamError`` saying whether another worker may be tried (``retryable``) and
 whether the worker itself is to blame (``worker_fault``, which feeds its circuit breaker). An upstream 4xx is
-the client's mistake: it is passed through unchanged and never retried. Bodies follow /work/wt/CONTRACT.md:
+the client's mistake: it is passed through unchanged and never retried. Bodies follow docs/wire-contract.md:
 ``pd-push`` (our connector: transfer id to both legs, sent concurrently), ``vllm-standard`` (P first with
 ``do_remote_decode``, then D with what P returned) and ``sglang-bootstrap`` (bootstrap host/port/room to
 both).
