@@ -27,6 +27,11 @@ def json_reply(status: int, body: bytes, headers: Mapping[str, str] | None = Non
     return Reply(status, body, {"Content-Type": "application/json", **(headers or {})})
 
 
+def http_chunk(data: bytes) -> bytes:
+    """``data`` as one HTTP/1.1 chunk (size line, data, CRLF), as aiohttp also frames a streamed body."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 class Downstream(Protocol):
     """A client connection the proxy may stream a response to (one per request)."""
 

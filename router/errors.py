@@ -1,8 +1,8 @@
 """OpenAI-style error bodies (the shape vLLM returns) and the exception that carries them to the client.
 
-Raised anywhere while handling a request; ``app.py`` and ``front.py`` turn an ``ApiError`` into a JSON response. The body is
-``{"error": {"message", "type", "param", "code"}}``, which the official ``openai`` client parses into its
-typed exceptions.
+Raised anywhere while handling a request; ``app.py`` and ``front.py`` turn an ``ApiError`` into a JSON
+response (``reply``; ``aiohttp_response`` for aiohttp). The body is ``{"error": {"message", "type", "param",
+"code"}}``, which the official ``openai`` client parses into its typed exceptions.
 """
 
 from __future__ import annotations
@@ -56,12 +56,9 @@ class ApiError(Exception):
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
         return json_reply(self.status, self.body(), headers)
 
-    def response(self) -> web.Response:
-        """The reply as an aiohttp response (for aiohttp's handlers)."""
-        return aiohttp_response(self.reply())
-
 
 def aiohttp_response(reply: Reply) -> web.Response:
+    """A reply as an aiohttp response (for aiohttp's handlers)."""
     return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
 
 

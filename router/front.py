@@ -48,7 +48,7 @@ from aiohttp import web
 from aiohttp.web_server import Server
 
 from router.app import COMPLETIONS, STATE, RouterState, answered, complete, too_large
-from router.downstream import Reply
+from router.downstream import Reply, http_chunk
 from router.errors import ApiError
 
 log = logging.getLogger("router.front")
@@ -70,6 +70,11 @@ def _served_here(head: bytes) -> bool | None:
         elif start.startswith(head):
             undecided = True
     return None if undecided else False
+
+
+def _endpoint(path: str) -> str:
+    """The metrics label of a request's path: a completion endpoint or "unmatched" (bounded label values)."""
+    return path if path in COMPLETIONS else "unmatched"
 
 
 @dataclass
@@ -130,7 +135,7 @@ class _Stream:
         self.started = True
 
     async def write(self, data: bytes) -> None:
-        self._conn.send(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        self._conn.send(http_chunk(data) if self.chunked else data)
         await self._conn.drain()
 
     def end(self) -> bool:
@@ -237,9 +242,12 @@ class _Connection(asyncio.Protocol):
         elif key == b"content-length" and value.isdigit() and int(value) > self.front.max_body:
             self._too_large()
 
+    def _path(self) -> str:
+        """The current request's path (its query string dropped), from the URL parsed so far."""
+        return self._url.partition(b"?")[0].decode("latin-1")
+
     def on_headers_complete(self) -> None:
-        path = self._url.partition(b"?")[0].decode("latin-1")
-        if self._parser.get_method() != b"POST" or path not in COMPLETIONS:
+        if self._parser.get_method() != b"POST" or self._path() not in COMPLETIONS:
             self._reject = ApiError(
                 400, "a request pipelined behind a completion request must also be one; use a new connection"
             )
@@ -261,7 +269,7 @@ class _Connection(asyncio.Protocol):
             return
         self._queue.append(
             _Request(
-                self._url.partition(b"?")[0].decode("latin-1"),
+                self._path(),
                 b"".join(self._body),
                 self._authorization,
                 self._parser.should_keep_alive() and self._reject is None,
@@ -307,8 +315,7 @@ class _Connection(asyncio.Protocol):
                     lambda: complete(front.state, request.path, request.body, stream),
                 )
             status = 200 if answer is None else answer.status
-            endpoint = request.path if request.path in COMPLETIONS else "unmatched"  # bounded label values
-            front.state.metrics.responses_for(endpoint, str(status)).inc()
+            front.state.metrics.responses_for(_endpoint(request.path), str(status)).inc()
             with contextlib.suppress(ConnectionError):  # the client is gone: nothing left to tell it
                 if answer is None:
                     keep_alive = stream.end()
@@ -333,9 +340,7 @@ class _Connection(asyncio.Protocol):
         """Answer ``error`` now and close: the request stream cannot be followed any further."""
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
         log.info("closing the connection from %s: %d %s", peer, error.status, error.message)
-        path = self._url.partition(b"?")[0].decode("latin-1")
-        endpoint = path if path in COMPLETIONS else "unmatched"  # bounded label values
-        self.front.state.metrics.responses_for(endpoint, str(error.status)).inc()
+        self.front.state.metrics.responses_for(_endpoint(self._path()), str(error.status)).inc()
         if self._task is None:
             with contextlib.suppress(ConnectionError):
                 self._reply(error.reply(), keep_alive=False)

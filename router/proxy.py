@@ -28,7 +28,7 @@ import msgspec
 
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
-from router.downstream import Downstream, Reply, json_reply
+from router.downstream import Downstream, Reply, http_chunk, json_reply
 from router.errors import ApiError, overloaded
 from router.http1 import HttpError, Pool, Response
 from router.metrics import EventSeries, RouterMetrics
@@ -488,7 +488,8 @@ class _Pump:
     Per event this saves the task switch, the futures and aiohttp's write coroutines of a coroutine relay
     (the relay's CPU per event is what queues other streams' events and new requests on a busy router).
     Writes go straight to the client's transport, framed as the downstream frames its body (HTTP/1.1 chunks
-    or, for HTTP/1.0, raw), after the downstream has sent the headers and the first event. Never raises: a failure is kept for ``_relay`` to raise.
+    or, for HTTP/1.0, raw), after the downstream has sent the headers and the first event. Never raises: a
+    failure is kept for ``_relay`` to raise.
     """
 
     def __init__(
@@ -525,7 +526,7 @@ class _Pump:
             if out:
                 if self._transport.is_closing():
                     raise _ClientGone
-                self._transport.write(b"%x\r\n%b\r\n" % (len(out), out) if self._chunked else out)
+                self._transport.write(http_chunk(out) if self._chunked else out)
                 self._itl.observe(now - self._sent)
                 self._sent = now
             if batch.endswith(DONE):
