@@ -4,6 +4,7 @@ stream in flight finish before the process exits."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -31,9 +32,11 @@ async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
     await server.close()
 
 
+@contextlib.asynccontextmanager
 async def _router(
     tmp_path: Path, tokenizer_dir: Path, upstream: str, server: str = ""
-) -> tuple[subprocess.Popen[bytes], int]:
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], int]]:
+    """A ready ``pd-router`` process and its port; killed on the way out if the test left it running."""
     port = free_port()
     config = tmp_path / "router.toml"
     config.write_text(
@@ -41,24 +44,32 @@ async def _router(
         f'[[decode]]\nurl = "{upstream}"\n[server]\nport = {port}\n{server}'
     )
     proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--config", str(config)])
+    try:
+        await _until_ready(proc, port)
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+async def _until_ready(proc: subprocess.Popen[bytes], port: int) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(300):  # until it answers (start-up runs a first health round)
             assert proc.poll() is None, "pd-router exited"
             try:
                 async with session.get(f"http://127.0.0.1:{port}/ready") as r:
                     if r.status == 200:
-                        return proc, port
+                        return
             except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.05)
-    proc.kill()
     raise AssertionError("pd-router did not become ready")
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path, tokenizer_dir: Path, engine) -> None:
     fake, upstream = engine
-    proc, port = await _router(tmp_path, tokenizer_dir, upstream)
-    try:
+    async with _router(tmp_path, tokenizer_dir, upstream) as (proc, port):
         body = {"model": MODEL, "prompt": short_prompt(), "max_tokens": 25, "stream": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
@@ -71,30 +82,20 @@ async def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path, tokenize
         assert events[-1] == "[DONE]" and len(events) == 26  # 25 tokens, none lost to the shutdown
         assert await asyncio.to_thread(proc.wait, 10) == 0
         assert fake.finished == 1 and fake.abandoned == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 async def test_sigterm_on_an_idle_router_exits_at_once(tmp_path: Path, tokenizer_dir: Path, engine) -> None:
     _, upstream = engine
-    proc, _ = await _router(tmp_path, tokenizer_dir, upstream)
-    try:
+    async with _router(tmp_path, tokenizer_dir, upstream) as (proc, _):
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 async def test_a_stream_longer_than_the_shutdown_timeout_is_cut(
     tmp_path: Path, tokenizer_dir: Path, engine
 ) -> None:
     fake, upstream = engine
-    proc, port = await _router(tmp_path, tokenizer_dir, upstream, "shutdown_timeout_s = 0.3\n")
-    try:
+    async with _router(tmp_path, tokenizer_dir, upstream, "shutdown_timeout_s = 0.3\n") as (proc, port):
         body = {"model": MODEL, "prompt": short_prompt(), "max_tokens": 500, "stream": True}  # ~10 s
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession() as session, session.post(url, json=body) as r:
@@ -108,7 +109,3 @@ async def test_a_stream_longer_than_the_shutdown_timeout_is_cut(
                 break
             await asyncio.sleep(0.05)
         assert fake.abandoned == 1 and fake.finished == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
