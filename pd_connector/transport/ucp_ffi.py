@@ -1,14 +1,24 @@
 """ctypes bindings for the few UCP calls ``ucxx``'s Python API does not expose: RMA with rkeys.
 
-``ucxx`` 0.52 gives us the context, worker (with its epoll fd) and worker-address endpoints, and their raw
-``ucp_*_h`` handles; memory mapping, rkey packing/unpacking, ``ucp_put_nbx`` and ``ucp_ep_flush_nbx`` come
-from the very same ``libucp`` it loaded (``libucx`` wheel), called here. Only the UCX transport's I/O thread
-calls these (the worker is single-threaded). Struct layouts follow ``ucp/api/ucp.h`` of UCX 1.21.
+``ucxx`` 0.52 gives us the context, worker (with its progress thread) and worker-address endpoints, and their
+raw ``ucp_*_h`` handles; memory mapping, rkey packing/unpacking, ``ucp_put_nbx`` and ``ucp_ep_flush_nbx`` come
+from the very same ``libucp`` it loaded (``libucx`` wheel), called here by the UCX transport's I/O thread
+while ``ucxx``'s progress thread progresses the worker. ``ucxx`` creates workers in ``UCS_THREAD_MODE_MULTI``,
+so UCP serialises the two threads itself. Struct layouts follow ``ucp/api/ucp.h`` of UCX 1.21.
+
+Why two bindings of one library: the per-span calls (put, flush, request status and free, worker signal) are
+short and never block, so they go through ``ctypes.PyDLL`` and keep the GIL. Through ``CDLL`` each would drop
+and retake it, and while an engine thread runs Python a thread that wants the GIL back waits up to the
+interpreter's switch interval (5 ms) per call: thousands of puts per prompt. The slow calls (memory mapping,
+which pins gigabytes) go through ``CDLL`` and let engine threads run. The rule that keeps ``PyDLL`` safe: no
+Python callback ever runs inside UCP (none is registered with a request or an endpoint), because one would
+need the GIL that a ``PyDLL`` caller holds while it waits for the worker's lock.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 UCS_OK = 0
@@ -63,35 +73,41 @@ class UcpError(RuntimeError):
         self.status = status
 
 
-_LIB: ctypes.CDLL | None = None
-
-
 def _lib() -> ctypes.CDLL:
-    global _LIB  # the process has exactly one libucp; binding it once is a cache, not state
-    if _LIB is None:
-        import libucx
+    """libucp through ``CDLL``: calls release the GIL (for slow calls)."""
+    return _bind(ctypes.CDLL)
 
-        libucx.load_library()
-        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
-        for name, res, args in (
-            ("ucp_mem_map", ctypes.c_int, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
-            ("ucp_mem_unmap", ctypes.c_int, [vp, vp]),
-            ("ucp_rkey_pack", ctypes.c_int, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
-            ("ucp_rkey_buffer_release", None, [vp]),
-            ("ucp_ep_rkey_unpack", ctypes.c_int, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
-            ("ucp_rkey_destroy", None, [vp]),
-            ("ucp_put_nbx", vp, [vp, vp, sz, u64, vp, ctypes.POINTER(_RequestParam)]),
-            ("ucp_ep_flush_nbx", vp, [vp, ctypes.POINTER(_RequestParam)]),
-            ("ucp_request_check_status", ctypes.c_int, [vp]),
-            ("ucp_request_free", None, [vp]),
-            ("ucs_status_string", ctypes.c_char_p, [ctypes.c_int]),
-        ):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        _LIB = lib
-    return _LIB
+
+def _hot_lib() -> ctypes.CDLL:
+    """libucp through ``PyDLL``: calls keep the GIL (for the short per-span calls; see the module doc)."""
+    return _bind(ctypes.PyDLL)
+
+
+@functools.cache  # the process has exactly one libucp: one binding per calling convention
+def _bind(kind: type[ctypes.CDLL]) -> ctypes.CDLL:
+    import libucx
+
+    libucx.load_library()
+    path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+    lib = kind(path, mode=ctypes.RTLD_GLOBAL)
+    vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+    for name, res, args in (
+        ("ucp_mem_map", ctypes.c_int, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)]),
+        ("ucp_mem_unmap", ctypes.c_int, [vp, vp]),
+        ("ucp_rkey_pack", ctypes.c_int, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+        ("ucp_rkey_buffer_release", None, [vp]),
+        ("ucp_ep_rkey_unpack", ctypes.c_int, [vp, ctypes.c_char_p, ctypes.POINTER(vp)]),
+        ("ucp_rkey_destroy", None, [vp]),
+        ("ucp_put_nbx", vp, [vp, vp, sz, u64, vp, ctypes.POINTER(_RequestParam)]),
+        ("ucp_ep_flush_nbx", vp, [vp, ctypes.POINTER(_RequestParam)]),
+        ("ucp_request_check_status", ctypes.c_int, [vp]),
+        ("ucp_request_free", None, [vp]),
+        ("ucp_worker_signal", ctypes.c_int, [vp]),
+        ("ucs_status_string", ctypes.c_char_p, [ctypes.c_int]),
+    ):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
 
 
 def _check(what: str, status: int) -> None:
@@ -151,8 +167,10 @@ def rkey_destroy(rkey: int) -> None:
 class Poster:
     """Posts puts and flushes on one worker; keeps one reusable parameter block per kind of call."""
 
-    def __init__(self) -> None:
-        lib = _lib()
+    def __init__(self, worker: int) -> None:
+        lib = _hot_lib()
+        self._worker = worker
+        self._signal = lib.ucp_worker_signal
         self._put = lib.ucp_put_nbx
         self._flush_fn = lib.ucp_ep_flush_nbx
         self._free = lib.ucp_request_free
@@ -190,8 +208,13 @@ class Poster:
         self._put_params.pop(memh, None)
 
     def flush(self, ep: int) -> int | None:
-        """Start an endpoint flush: returns a request to poll with ``request_status``, or None if done."""
+        """Start an endpoint flush: returns a request to poll with ``request_status``, or None if done.
+
+        Then wakes the worker: a queued shared-memory put raises no event, and the progress thread may be
+        asleep in epoll.
+        """
         ptr = self._flush_fn(ep, ctypes.byref(self._no_params))
+        _check("ucp_worker_signal", self._signal(self._worker))
         status = _status_of(ptr)
         if status is None:
             return int(ptr)

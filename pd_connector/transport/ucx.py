@@ -7,9 +7,16 @@ Why this shape:
 - Puts with rkeys need no receiver CPU and no per-message receive posting; coalesced spans mean a layer is a
   handful of puts. Completion is one ``ucp_ep_flush_nbx`` per ``write``: when it completes, the data is in
   the peer's memory.
-- One dedicated I/O thread owns the UCX worker (single-threaded worker, no locks in UCX). It sleeps in epoll
-  on the worker's event fd plus an eventfd that engine threads poke after queueing work, so an idle transport
-  costs nothing; while flushes are outstanding it progresses and re-arms.
+- Two threads share the worker (``ucxx`` makes it thread-safe, ``UCS_THREAD_MODE_MULTI``): ``ucxx``'s C++
+  progress thread progresses it, i.e. moves the bytes (on one host a put is copied during progress, one
+  system call per span), without the GIL; our I/O thread posts the puts and flushes and watches them. So
+  posting one layer overlaps copying the previous one, and the copy does not wait for the GIL while engine
+  threads run Python. (One Python thread doing both spent a quarter of a KV-shaped transfer posting while
+  nothing was copied: 6.3 GB/s against 8.3; docs/performance.md ``## transport``.)
+- Idle costs nothing: the progress thread sleeps in epoll on the worker's event fd (a post wakes it with
+  ``ucp_worker_signal``), the I/O thread on an eventfd that engine threads poke after queueing work. While
+  writes are outstanding the I/O thread checks their flushes every ``completion_poll_s``: their completion
+  raises no event it could sleep on.
 - On one host a put is a cma ``process_vm_writev``: ``register`` advises the regions to transparent huge pages
   (``huge_pages``; 4 KiB pages halve cma throughput) and the context copies 8 MiB per call
   (``cma_segment_bytes``, UCX's default 512 KiB costs ~10 % at 16 MiB messages).
@@ -50,6 +57,8 @@ from .regions import RegionIndex, RegionInfo, RegionTable, Spans, plan
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+#: Seconds between checks of requests that only need freeing (of writes already failed by detach or close).
+ZOMBIE_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class UcxConfig:
     write_timeout_s: float = 30.0
     #: Seconds ``register``/``detach``/``close`` wait for the I/O thread.
     call_timeout_s: float = 10.0
+    #: Seconds between two checks of outstanding writes' flushes (only while writes are outstanding): the
+    #: most a completed write waits to be reported.
+    completion_poll_s: float = 100e-6
     #: Bytes one shared-memory (cma) put copies per ``process_vm_writev`` and per progress step
     #: (``UCX_CMA_SEG_SIZE``; UCX's own default is 512 KiB); 0 keeps UCX's default or the environment.
     #: An explicit ``CMA_SEG_SIZE`` in ``options`` wins.
@@ -74,6 +86,10 @@ class UcxConfig:
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
+        if not 0 < self.completion_poll_s <= 0.05:
+            raise ValueError(
+                f"ucx.completion_poll_s must be in (0, 0.05] seconds, got {self.completion_poll_s}"
+            )
         if self.cma_segment_bytes != 0 and self.cma_segment_bytes < 4096:
             raise ValueError(
                 f"ucx.cma_segment_bytes must be 0 (UCX default) or at least 4096, got {self.cma_segment_bytes}"
@@ -116,15 +132,14 @@ class _Peer:
 
 @dataclass(frozen=True)
 class _Planned:
-    """A write checked and grouped per region as ``put_many`` takes it, for ``peer`` (by ``write``)."""
+    """A write checked and grouped per region as ``put_many`` takes it (by the I/O thread's ``_post``)."""
 
-    peer: _Peer
     #: (region, local addresses, sizes, remote addresses) per region
     groups: list[tuple[int, list[int], list[int], list[int]]]
     nbytes: int
 
     @classmethod
-    def of(cls, peer: _Peer, spans: Spans) -> _Planned:
+    def of(cls, spans: Spans) -> _Planned:
         """Group the spans' rows (sorted by region) per region: in plain Python for a few rows (three numpy
         calls instead of eight; see ``SMALL_COPIES``), with numpy masks for many."""
         groups: list[tuple[int, list[int], list[int], list[int]]] = []
@@ -138,7 +153,7 @@ class _Planned:
                 groups[-1][1].append(local)
                 groups[-1][2].append(size)
                 groups[-1][3].append(remote)
-            return cls(peer, groups, spans.nbytes)
+            return cls(groups, spans.nbytes)
         for region in np.unique(spans.table[:, 0]).tolist():
             rows = spans.table[:, 0] == region
             groups.append(
@@ -149,7 +164,7 @@ class _Planned:
                     spans.remote_address[rows].tolist(),
                 )
             )
-        return cls(peer, groups, spans.nbytes)
+        return cls(groups, spans.nbytes)
 
 
 @dataclass
@@ -177,9 +192,8 @@ class UcxTransport(Transport):
             self.config.ucx_options(), feature_flags=(ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
         )
         self._worker = ucx_api.UCXWorker(self._context)
-        self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
-        self._poster = ucp_ffi.Poster()
+        self._poster = ucp_ffi.Poster(int(self._worker.handle))
         self._regions = RegionTable()
         self._memh: dict[int, int] = {}
         self._rkeys_packed: dict[int, bytes] = {}
@@ -191,10 +205,10 @@ class UcxTransport(Transport):
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._epoll.register(self._wake_fd, select.EPOLLIN)
-        self._epoll.register(self._worker.epoll_file_descriptor, select.EPOLLIN)
         self._submit_lock = threading.Lock()
         self._closing = False
         self._stopping = False
+        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=-1)
         self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
         self._thread.start()
         log.info("ucx transport: worker up (tls=%s)", self.config.tls or os.environ.get("UCX_TLS", "default"))
@@ -234,19 +248,13 @@ class UcxTransport(Transport):
         return self._call(lambda: self._connect(peer_id, desc))
 
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
-        """Plan on the calling thread, post on the I/O thread: while the I/O thread moves one layer the
-        engine thread already plans the next, so planning costs no transfer time."""
+        """Queue the write for the I/O thread, which plans and posts it while the progress thread copies the
+        previous ones. Planning here instead would cost the engine thread its time and, worse, make it and the
+        I/O thread take turns at the GIL (a KV-shaped prompt took 20 % longer)."""
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
-        planned: _Planned | None = None
-        if (peer := self._peers.get(peer_id)) is not None:  # attach/detach replace entries, never mutate them
-            try:
-                planned = _Planned.of(peer, plan(copies, self._regions.index(), peer.remote))
-            except ValueError as exc:
-                _fail(future, exc)
-                return future
         try:
-            self._submit(lambda: self._post(peer_id, copies, planned, future))
+            self._submit(lambda: self._post(peer_id, copies, future))
         except RuntimeError as exc:
             future.set_exception(exc)
         return future
@@ -269,6 +277,7 @@ class UcxTransport(Transport):
             self._stopping = True
             self._wake()
             self._thread.join(self.config.call_timeout_s)
+            self._worker.stop_progress_thread()
             self._epoll.close()
             os.close(self._wake_fd)
 
@@ -316,27 +325,24 @@ class UcxTransport(Transport):
 
     # -- the I/O thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
-        worker = self._worker
         while not self._stopping:
             while True:
                 try:
                     self._inbox.get_nowait()()
                 except queue.Empty:
                     break
-            while worker.progress_once():
-                pass
             self._reap()
-            if not worker.arm():
-                continue  # events arrived while we were busy: progress again
-            if self._pending:
-                # Flush completion usually raises an event; the bounded wait also catches deadlines and
-                # requests that complete without one (zombies of dropped peers are polled every 5 ms).
-                soonest = min(p.deadline for p in self._pending) - time.monotonic()
-                self._wait(min(max(soonest, 0.005), 0.05))
+            if any(not item.future.done() for item in self._pending):
+                self._wait(self.config.completion_poll_s)
+            elif self._pending:
+                self._wait(ZOMBIE_POLL_S)  # only requests of failed writes left: free them when UCX is done
             else:
-                self._wait(None)  # idle: sleep until UCX or an engine thread wakes us
+                self._wait(None)  # idle: sleep until an engine thread (or a watched peer's exit) wakes us
 
     def _wait(self, timeout: float | None) -> None:
+        if timeout is not None and 0 < timeout < 0.001:
+            time.sleep(timeout)  # epoll counts in milliseconds
+            timeout = 0
         for fd, _ in self._epoll.poll(-1 if timeout is None else timeout):
             if fd == self._wake_fd:
                 with contextlib.suppress(BlockingIOError):
@@ -428,9 +434,7 @@ class UcxTransport(Transport):
         self._peers[peer_id] = peer
         log.info("ucx transport: attached %s (%d regions)", peer_id, len(rkeys))
 
-    def _post(
-        self, peer_id: str, copies: Sequence[BlockCopy], planned: _Planned | None, future: Future[int]
-    ) -> None:
+    def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
         if self._watched:
             self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
         peer = self._peers.get(peer_id)
@@ -442,8 +446,7 @@ class UcxTransport(Transport):
             )
             return
         try:
-            if planned is None or planned.peer is not peer:  # attached (again) after write() planned
-                planned = _Planned.of(peer, plan(copies, self._regions.index(), peer.remote))
+            planned = _Planned.of(plan(copies, self._regions.index(), peer.remote))
             missing = {group[0] for group in planned.groups} - self._memh.keys()
             if missing:
                 raise ValueError(f"regions {sorted(missing)} are not registered locally")

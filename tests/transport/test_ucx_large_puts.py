@@ -78,4 +78,4 @@ def test_posts_are_grouped_per_region_with_either_path(
         )
         for r in (1, 4, 7)
     ]
-    assert ucx._Planned.of(None, spans).groups == expected  # type: ignore[arg-type]
+    assert ucx._Planned.of(spans).groups == expected
