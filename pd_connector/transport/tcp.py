@@ -61,6 +61,9 @@ BATCH_PARTS = 512
 DIRECT_MIN_BYTES = 256 << 10
 #: Payload of one ``PutBlocks`` frame.
 BLOCKS_FRAME_BYTES = 4 << 20
+#: Blocks at least this big are handed to ``sendmsg`` one view each (the kernel gathers them); smaller ones are
+#: first gathered by numpy, where one copy costs less than a buffer entry per block.
+VIEW_MIN_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,9 @@ class _Outbound:
             if len(small):
                 yield from self._block_frames(region, small, base)
 
-    def _block_frames(self, region: int, rows: npt.NDArray[np.int64], base: memoryview) -> Iterator[bytes]:
+    def _block_frames(
+        self, region: int, rows: npt.NDArray[np.int64], base: memoryview
+    ) -> Iterator[memoryview | bytes]:
         block_bytes = self.remote.by_id[region].block_bytes
         counts = rows[:, 3] // block_bytes
         src = _expand(rows[:, 1] // block_bytes, counts)
@@ -279,7 +284,11 @@ class _Outbound:
             index = dst[i : i + per_frame]
             yield encode_frame(PutBlocks(region, block_bytes, len(index)))
             yield index.tobytes()
-            yield blocks[src[i : i + per_frame]].tobytes()
+            if block_bytes >= VIEW_MIN_BYTES:
+                for block in src[i : i + per_frame].tolist():
+                    yield base[block * block_bytes : (block + 1) * block_bytes]
+            else:
+                yield blocks[src[i : i + per_frame]].data.cast("B")
 
     async def _ack_loop(self) -> None:
         loop = asyncio.get_running_loop()

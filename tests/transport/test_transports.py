@@ -76,6 +76,26 @@ def test_long_and_short_runs_in_one_write_arrive_exactly(
     assert peer.digests() == peer.expected_digests()
 
 
+@pytest.mark.parametrize(("kind", "tls"), TRANSPORTS, ids=TRANSPORT_IDS)
+def test_scattered_large_blocks_arrive_exactly(kind: str, tls: str, peer_factory: type[PeerProcess]) -> None:
+    """64 KiB blocks in single-block runs: tcp sends them in ``PutBlocks`` frames as one buffer per block (the
+    kernel gathers them), where 4 KiB blocks are gathered by numpy first."""
+    blocks, block_bytes = 24, 64 << 10
+    sender = build(kind, tls)
+    peer = peer_factory(kind, tls, 1, blocks, block_bytes)
+    try:
+        src, regions = local_regions(1, blocks, block_bytes, seed=3)
+        sender.register(regions)
+        sender.attach("p", peer.descriptor).result(10)
+        copies = [BlockCopy(0, s, blocks - 1 - s) for s in range(0, blocks, 2)]
+        assert sender.write("p", copies).result(30) == len(copies) * block_bytes
+        for c in copies:
+            peer.mirror[0, c.dst_block] = src[0, c.src_block]
+        assert peer.digests() == peer.expected_digests()
+    finally:
+        sender.close()
+
+
 def test_an_idle_connection_does_not_spin(pair: tuple[Transport, PeerProcess, np.ndarray]) -> None:
     """Both ends of an attached, idle pair use well under 2 % of a core (CPU time, not wall time)."""
     _, peer, _ = pair
