@@ -665,18 +665,28 @@ def test_disaggregated_equals_colocated_without_decode_prefix_cache(cluster: Clu
         assert cluster.disaggregated(prompt) == cluster.reference(prompt), f"{n} tokens"
 
 
-def test_cma_transport_between_vllm_workers(
-    start_servers, cluster: Cluster, tiny_model: Path, log_dir: Path
+@pytest.mark.parametrize("transport", ["cma", "ucx"])
+def test_same_host_transport_between_vllm_workers(
+    start_servers, cluster: Cluster, tiny_model: Path, log_dir: Path, transport: str
 ) -> None:
-    """The same-host ``cma`` data plane inside real vLLM workers: P's worker writes into D's KV cache with
-    process_vm_writev (sibling processes of one user, no shared parent). Runs last: the module's TCP pair is
-    stopped first, so no more than two engine servers run at a time."""
+    """The same-host data planes inside real vLLM workers, whose threads run Python while layers are in
+    flight: ``cma`` (P's worker writes into D's KV cache with process_vm_writev; sibling processes of one user,
+    no shared parent) and ``ucx`` (UCX shared memory, copied by ucxx's progress thread). Runs last: the
+    module's TCP pair is stopped first, and each pair after its case, so no more than two engine servers run
+    at a time."""
     cluster.stop()
-    cma = Cluster(start_servers, tiny_model, log_dir, transport="cma").ensure()
-    for n in (33, 257, MAX_MODEL_LEN - MAX_TOKENS - 1):
-        prompt = tokens(n, seed=12000 + n)
-        assert cma.disaggregated(prompt) == cma.reference(prompt), f"{n} tokens over cma"
-    for server in (cma.prefill, cma.decode):
-        assert server is not None and "data plane cma" in server.log_tail(400), server
-    assert metric(cma.d_url, "vllm:pd_connector_failures_total") == 0
-    wait_until(lambda: blocks_idle(cma.p_url) and blocks_idle(cma.d_url), 15, "blocks freed after cma loads")
+    pair = Cluster(start_servers, tiny_model, log_dir, transport=transport).ensure()
+    try:
+        for n in (33, 257, MAX_MODEL_LEN - MAX_TOKENS - 1):
+            prompt = tokens(n, seed=12000 + n)
+            assert pair.disaggregated(prompt) == pair.reference(prompt), f"{n} tokens over {transport}"
+        for server in (pair.prefill, pair.decode):
+            assert server is not None and f"data plane {transport}" in server.log_tail(400), server
+        assert metric(pair.d_url, "vllm:pd_connector_failures_total") == 0
+        wait_until(
+            lambda: blocks_idle(pair.p_url) and blocks_idle(pair.d_url),
+            15,
+            f"blocks freed after {transport} loads",
+        )
+    finally:
+        pair.stop()
