@@ -10,9 +10,11 @@ Why two bindings of one library: the per-span calls (put, flush, request status 
 short and never block, so they go through ``ctypes.PyDLL`` and keep the GIL. Through ``CDLL`` each would drop
 and retake it, and while an engine thread runs Python a thread that wants the GIL back waits up to the
 interpreter's switch interval (5 ms) per call: thousands of puts per prompt. The slow calls (memory mapping,
-which pins gigabytes) go through ``CDLL`` and let engine threads run. The rule that keeps ``PyDLL`` safe: no
-Python callback ever runs inside UCP (none is registered with a request or an endpoint), because one would
-need the GIL that a ``PyDLL`` caller holds while it waits for the worker's lock.
+which pins gigabytes) go through ``CDLL`` and let engine threads run. The price: a put that finds the progress
+thread in the middle of one copy waits for the worker's lock with the GIL held, at most one segment
+(``cma_segment_bytes``, ~0.7 ms at 8 MiB; a KV-shaped span of ~78 KiB takes ~8 µs). The rule that keeps
+``PyDLL`` safe: no Python callback ever runs inside UCP (none is registered with a request or an endpoint),
+because one would need the GIL that a ``PyDLL`` caller holds while it waits for the worker's lock.
 """
 
 from __future__ import annotations
