@@ -209,6 +209,9 @@ class UcxTransport(Transport):
         self._submit_lock = threading.Lock()
         self._closing = False
         self._stopping = False
+        #: True while the I/O thread sleeps in epoll: only then ``_submit`` wakes it. Waking it per write cost the
+        #: writer a GIL hand-over each time (an eventfd write lets go of the GIL).
+        self._idle = True
         self._worker.start_progress_thread(polling_mode=False, epoll_timeout=-1)
         self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
         self._thread.start()
@@ -296,7 +299,8 @@ class UcxTransport(Transport):
             if (self._closing and not accept_while_closing) or not self._thread.is_alive():
                 raise RuntimeError("ucx transport is closed")
             self._inbox.put(fn)
-        self._wake()
+        if self._idle:  # else it is polling and picks the work up within ``completion_poll_s``
+            self._wake()
 
     def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
         """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
@@ -333,17 +337,24 @@ class UcxTransport(Transport):
                 except queue.Empty:
                     break
             self._reap()
-            if any(not item.future.done() for item in self._pending):
-                self._wait(self.config.completion_poll_s)
-            elif self._pending:
-                self._wait(ZOMBIE_POLL_S)  # only requests of failed writes left: free them when UCX is done
-            else:
-                self._wait(None)  # idle: sleep until an engine thread (or a watched peer's exit) wakes us
+            outstanding = any(not item.future.done() for item in self._pending)
+            if outstanding and self.config.completion_poll_s < 0.001:
+                # epoll counts in milliseconds: sleep instead (queued work waits at most this long)
+                time.sleep(self.config.completion_poll_s)
+                self._wait(0)
+                continue
+            if outstanding:
+                timeout: float | None = self.config.completion_poll_s
+            else:  # only requests of failed writes left (free them when UCX is done), or nothing: sleep
+                timeout = ZOMBIE_POLL_S if self._pending else None
+            # From here on submitters must wake us. Set before looking at the inbox, so work queued after the
+            # look sees the flag, and work queued before it is found.
+            self._idle = True
+            if self._inbox.empty():
+                self._wait(timeout)
+            self._idle = False
 
     def _wait(self, timeout: float | None) -> None:
-        if timeout is not None and 0 < timeout < 0.001:
-            time.sleep(timeout)  # epoll counts in milliseconds
-            timeout = 0
         for fd, _ in self._epoll.poll(-1 if timeout is None else timeout):
             if fd == self._wake_fd:
                 with contextlib.suppress(BlockingIOError):

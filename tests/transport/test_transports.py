@@ -96,6 +96,37 @@ def test_scattered_large_blocks_arrive_exactly(kind: str, tls: str, peer_factory
         sender.close()
 
 
+def test_writers_on_several_threads_never_lose_a_wake_up(
+    pair: tuple[Transport, PeerProcess, np.ndarray],
+) -> None:
+    """Four engine threads write single blocks with random gaps, so writes arrive while the transport's I/O
+    thread is busy, polling outstanding writes, or asleep (ucx wakes it only when asleep): every write lands."""
+    sender, peer, src = pair
+    src[:] = np.random.default_rng(21).integers(0, 256, src.shape, dtype=np.uint8)
+    futures: list[Future[int]] = []
+    lock = threading.Lock()
+
+    def writer(region: int) -> None:
+        rng = np.random.default_rng(region)
+        for block in range(BLOCKS):
+            future = sender.write("peer", [BlockCopy(region, block, BLOCKS - 1 - block)])
+            with lock:
+                futures.append(future)
+            time.sleep(float(rng.choice([0.0, 0.0002, 0.002, 0.01])))
+
+    threads = [threading.Thread(target=writer, args=(region % REGIONS,)) for region in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    done, not_done = wait(futures, timeout=30)
+    assert not not_done, f"{len(not_done)} of {len(futures)} writes never completed"
+    assert all(f.result() == BLOCK_BYTES for f in done)
+    for region in range(REGIONS):
+        peer.mirror[region] = src[region, ::-1]
+    assert peer.digests() == peer.expected_digests()
+
+
 def test_an_idle_connection_does_not_spin(pair: tuple[Transport, PeerProcess, np.ndarray]) -> None:
     """Both ends of an attached, idle pair use well under 2 % of a core (CPU time, not wall time)."""
     _, peer, _ = pair
