@@ -16,8 +16,8 @@ Why this shape:
   ``## transport``.)
 - Idle costs nothing: the progress thread sleeps in epoll on the worker's event fd (a post wakes it with
   ``ucp_worker_signal``), the I/O thread on an eventfd that engine threads poke after queueing work. While
-  writes are outstanding the I/O thread checks their flushes every ``completion_poll_s``: their completion
-  raises no event it could sleep on.
+  writes are outstanding the I/O thread checks their flushes every ``completion_poll_s`` instead (their
+  completion raises no event it could sleep on), and picks up queued work then without being poked.
 - On one host a put is a cma ``process_vm_writev``: ``register`` advises the regions to transparent huge pages
   (``huge_pages``; 4 KiB pages halve cma throughput) and the context copies 8 MiB per call
   (``cma_segment_bytes``, UCX's default 512 KiB costs ~10 % at 16 MiB messages).
