@@ -13,14 +13,18 @@ Every figure is the median of ``--reps`` rounds x ``--samples`` timed runs, all 
 run: each round starts a fresh sender/receiver pair per path, and one run of a 16 MiB case lasts only ~5 ms,
 so a few runs per pair keep one unlucky scheduling slice from deciding a round. ``--paths`` narrows
 a run to some paths (``ucx_sm_512k``, on request only, is ``ucx_sm`` with UCX's default cma segments);
-``--no-huge-pages`` puts every path, the memcpy ceiling included, on 4 KiB pages. Progress goes to
-stderr; the last stdout line is the JSON summary (see docs/performance.md ``## transport``).
+``--no-huge-pages`` puts every path, the memcpy ceiling included, on 4 KiB pages. The KV-shaped case is
+also timed next to a thread of the sender process that spins in Python (``kv_shaped_gbps_next_to_python``):
+an engine's threads run Python while its layers are in flight, and a transport thread that lets go of the GIL
+waits up to the switch interval (5 ms) to get it back. Progress goes to stderr; the last stdout line is the
+JSON summary (see docs/performance.md ``## transport``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import mmap
@@ -29,8 +33,9 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -512,10 +517,30 @@ def _huge_arg(huge: bool) -> list[str]:
     return [] if huge else ["--no-huge-pages"]
 
 
+@contextlib.contextmanager
+def python_spinner() -> Iterator[None]:
+    """A thread of this process running Python (``x += 1`` in a loop) until the block ends."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    thread = threading.Thread(target=spin, name="python-spinner")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def drive(name: str, huge: bool) -> None:
     """Sender process for one path: ``READY``, then per stdin line ``run CASE`` -> ``SECONDS t``,
     ``ceiling CASE`` / ``syscall CASE`` -> ``SECONDS t`` (the memcpy ceiling / the bare system call in this
-    process, on the same source memory, for ``PAIRED`` paths), ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL
+    process, on the same source memory, for ``PAIRED`` paths), ``spin CASE`` -> ``SECONDS t`` (``run`` next to
+    ``python_spinner``), ``idle`` -> ``IDLE percent``, ``exit``. Each process loads only its own UCX (NIXL
     bundles UCX 1.23, ucxx uses 1.21: they must not share a process)."""
     memory = Memory(fill=True, huge=huge)
     path = make_path(name, memory, huge)
@@ -535,6 +560,11 @@ def drive(name: str, huge: bool) -> None:
                 start = time.perf_counter()
                 runners[command[0]].run(command[1])
                 print("SECONDS", time.perf_counter() - start, flush=True)
+            elif command[0] == "spin":
+                with python_spinner():
+                    start = time.perf_counter()
+                    path.run(command[1])
+                    print("SECONDS", time.perf_counter() - start, flush=True)
             elif command[0] == "idle":
                 print("IDLE", path.idle_cpu_percent(), flush=True)
             else:
@@ -640,6 +670,9 @@ def main() -> None:
                             paired.setdefault((f"{name}/{kind}", case), []).append(
                                 t / seconds[name, case][-1]
                             )
+                if "kv" in PATHS[name][0]:
+                    for _ in range(args.samples):
+                        seconds.setdefault((name, "kv_spin"), []).append(driver.ask("spin kv", "SECONDS"))
                 if rep == args.reps - 1 and PATHS[name][1]:
                     idle["ours" if name == "ucx_sm" else name] = driver.ask("idle", "IDLE")
             finally:
@@ -654,10 +687,17 @@ def main() -> None:
         for name in names
         if (name, "kv") in seconds
     }
+    kv_spin_gbps = {
+        name: round(KV_BYTES / statistics.median(seconds[name, "kv_spin"]) / 1e9, 3)
+        for name in names
+        if (name, "kv_spin") in seconds
+    }
     summary: dict[str, object] = {
         "sizes": SIZES,
         "gbps": gbps,
         "kv_shaped_gbps": kv_gbps,
+        # the same KV-shaped runs next to a thread of the sender spinning in Python (see the module doc)
+        "kv_shaped_gbps_next_to_python": kv_spin_gbps,
         # what each same-host path's sender timed run for run besides itself (see ``ratios``)
         "paired_gbps": {
             f"{name}/{kind}": [
@@ -677,7 +717,7 @@ def main() -> None:
             "block_bytes": KV_BLOCK,
         },
     }
-    summary["ratios"] = ratios(gbps, kv_gbps, idle, paired)
+    summary["ratios"] = ratios(gbps, kv_gbps, idle, paired, kv_spin_gbps)
     for name in names:
         log(
             f"{name:>10}: "
@@ -692,8 +732,10 @@ def ratios(
     kv: dict[str, float],
     idle: dict[str, float],
     paired: dict[tuple[str, str], list[float]],
+    kv_spin: dict[str, float],
 ) -> dict[str, float | bool]:
-    """The issue's targets as ratios of figures from this run (those whose paths were measured).
+    """The issue's targets as ratios of figures from this run (those whose paths were measured), and, without a
+    target, ``kv_next_to_python_*``: the KV-shaped transfer next to a thread spinning in Python.
 
     ``X_vs_memcpy_*``: median of the run-for-run ratios against the memcpy ceiling timed in the same sender
     process on the same source memory (``paired``, keyed ``X/ceiling``); ``X_vs_memcpy_*_separate``: the
@@ -727,6 +769,9 @@ def ratios(
         out["ucx_sm_vs_nixl_64KiB"] = round(sm[i64] / nixl[i64], 3)
         out["ucx_sm_vs_nixl_1MiB"] = round(sm[i1m] / nixl[i1m], 3)
         out["kv_ucx_sm_vs_nixl"] = round(kv["ucx_sm"] / kv["nixl"], 3)
+    for name in ("ucx_sm", "cma"):
+        if name in kv_spin and "nixl" in kv_spin:
+            out[f"kv_next_to_python_{name}_vs_nixl"] = round(kv_spin[name] / kv_spin["nixl"], 3)
     if "tcp" in gbps and "raw_socket" in gbps:
         tcp_vs_raw = min(t / r for t, r in zip(gbps["tcp"], gbps["raw_socket"], strict=True))
         out["tcp_vs_raw_socket_min"] = round(tcp_vs_raw, 3)
