@@ -556,14 +556,11 @@ def drive(name: str, huge: bool) -> None:
         print("READY", flush=True)
         for line in sys.stdin:
             command = line.split()
-            if command[0] in runners:
-                start = time.perf_counter()
-                runners[command[0]].run(command[1])
-                print("SECONDS", time.perf_counter() - start, flush=True)
-            elif command[0] == "spin":
-                with python_spinner():
+            if command[0] in runners or command[0] == "spin":
+                spin = command[0] == "spin"
+                with python_spinner() if spin else contextlib.nullcontext():
                     start = time.perf_counter()
-                    path.run(command[1])
+                    (path if spin else runners[command[0]]).run(command[1])
                     print("SECONDS", time.perf_counter() - start, flush=True)
             elif command[0] == "idle":
                 print("IDLE", path.idle_cpu_percent(), flush=True)
@@ -682,16 +679,14 @@ def main() -> None:
         name: [round(MESSAGE_BYTES / statistics.median(seconds[name, c]) / 1e9, 3) for c in CASES[:-1]]
         for name in names
     }
-    kv_gbps = {
-        name: round(KV_BYTES / statistics.median(seconds[name, "kv"]) / 1e9, 3)
-        for name in names
-        if (name, "kv") in seconds
-    }
-    kv_spin_gbps = {
-        name: round(KV_BYTES / statistics.median(seconds[name, "kv_spin"]) / 1e9, 3)
-        for name in names
-        if (name, "kv_spin") in seconds
-    }
+    kv_gbps, kv_spin_gbps = (
+        {
+            name: round(KV_BYTES / statistics.median(seconds[name, case]) / 1e9, 3)
+            for name in names
+            if (name, case) in seconds
+        }
+        for case in ("kv", "kv_spin")
+    )
     summary: dict[str, object] = {
         "sizes": SIZES,
         "gbps": gbps,

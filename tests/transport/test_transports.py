@@ -3,6 +3,7 @@ when the peer dies. The receiver runs in a second process (``peer_process``), th
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.transport import python_spinner
 from pd_connector.transport.base import BlockCopy, Transport
 
 from .conftest import TRANSPORT_IDS, TRANSPORTS, PeerProcess, build, local_regions
@@ -76,24 +78,37 @@ def test_long_and_short_runs_in_one_write_arrive_exactly(
     assert peer.digests() == peer.expected_digests()
 
 
+@contextlib.contextmanager
+def _one_region(
+    kind: str, tls: str, peer_factory: type[PeerProcess], blocks: int, block_bytes: int, seed: int
+) -> Iterator[tuple[Transport, PeerProcess, np.ndarray, list[BlockCopy]]]:
+    """A sender attached to a peer of one region, with every other block copied to the mirrored position
+    (single-block runs: nothing merges); the sender is closed on the way out."""
+    sender = build(kind, tls)
+    peer = peer_factory(kind, tls, 1, blocks, block_bytes)
+    try:
+        src, regions = local_regions(1, blocks, block_bytes, seed=seed)
+        sender.register(regions)
+        sender.attach("p", peer.descriptor).result(10)
+        yield sender, peer, src, [BlockCopy(0, s, blocks - 1 - s) for s in range(0, blocks, 2)]
+    finally:
+        sender.close()
+
+
+def _assert_landed(peer: PeerProcess, src: np.ndarray, copies: list[BlockCopy]) -> None:
+    for c in copies:
+        peer.mirror[c.region_id, c.dst_block] = src[c.region_id, c.src_block]
+    assert peer.digests() == peer.expected_digests()
+
+
 @pytest.mark.parametrize(("kind", "tls"), TRANSPORTS, ids=TRANSPORT_IDS)
 def test_scattered_large_blocks_arrive_exactly(kind: str, tls: str, peer_factory: type[PeerProcess]) -> None:
     """64 KiB blocks in single-block runs: tcp sends them in ``PutBlocks`` frames as one buffer per block (the
     kernel gathers them), where 4 KiB blocks are gathered by numpy first."""
-    blocks, block_bytes = 24, 64 << 10
-    sender = build(kind, tls)
-    peer = peer_factory(kind, tls, 1, blocks, block_bytes)
-    try:
-        src, regions = local_regions(1, blocks, block_bytes, seed=3)
-        sender.register(regions)
-        sender.attach("p", peer.descriptor).result(10)
-        copies = [BlockCopy(0, s, blocks - 1 - s) for s in range(0, blocks, 2)]
+    block_bytes = 64 << 10
+    with _one_region(kind, tls, peer_factory, 24, block_bytes, seed=3) as (sender, peer, src, copies):
         assert sender.write("p", copies).result(30) == len(copies) * block_bytes
-        for c in copies:
-            peer.mirror[0, c.dst_block] = src[0, c.src_block]
-        assert peer.digests() == peer.expected_digests()
-    finally:
-        sender.close()
+        _assert_landed(peer, src, copies)
 
 
 def test_writers_on_several_threads_never_lose_a_wake_up(
@@ -226,36 +241,14 @@ def test_a_scattered_write_is_not_starved_by_a_thread_running_python(
     transport posting and progressing 4096 puts on one Python thread took ~20 s here) is starved. This write of
     4096 unmergeable spans must land within 400 switch intervals (2 s) while another thread spins in Python;
     each transport here needs well under a hundred."""
-    blocks = 8192
-    sender = build(kind, tls)
-    peer = peer_factory(kind, tls, 1, blocks, BLOCK_BYTES)
-    stop = threading.Event()
-
-    def spin() -> None:
-        while not stop.is_set():
-            pass
-
-    spinner = threading.Thread(target=spin, name="python-spinner")
-    try:
-        src, regions = local_regions(1, blocks, BLOCK_BYTES, seed=9)
-        sender.register(regions)
-        sender.attach("p", peer.descriptor).result(10)
-        copies = [BlockCopy(0, s, blocks - 1 - s) for s in range(0, blocks, 2)]
+    with _one_region(kind, tls, peer_factory, 8192, BLOCK_BYTES, seed=9) as (sender, peer, src, copies):
         assert sender.write("p", copies[:8]).result(30) == 8 * BLOCK_BYTES  # connection warmed up
-        spinner.start()
-        started = time.monotonic()
-        assert sender.write("p", copies).result(60) == len(copies) * BLOCK_BYTES
-        elapsed = time.monotonic() - started
-        stop.set()
+        with python_spinner():
+            started = time.monotonic()
+            assert sender.write("p", copies).result(60) == len(copies) * BLOCK_BYTES
+            elapsed = time.monotonic() - started
         assert elapsed < 400 * sys.getswitchinterval(), f"{len(copies)} spans took {elapsed:.1f} s"
-        for c in copies:
-            peer.mirror[0, c.dst_block] = src[0, c.src_block]
-        assert peer.digests() == peer.expected_digests()
-    finally:
-        stop.set()
-        if spinner.is_alive():
-            spinner.join()
-        sender.close()
+        _assert_landed(peer, src, copies)
 
 
 # -- planning and queueing -------------------------------------------------------------------------------------------
