@@ -83,7 +83,8 @@ class Connection:
         self.id = uuid.uuid4().hex[:8]  # names this connection's transport endpoint (peer_id) uniquely
         self._reader = reader
         self._writer = writer
-        self._codec = codec
+        #: Replaced once the handshake agreed on a session key (``FrameCodec.session``).
+        self.codec = codec
         self._interval = heartbeat_interval_s
         self._timeout = heartbeat_timeout_s
         peer = writer.get_extra_info("peername")
@@ -98,7 +99,7 @@ class Connection:
         if self.closed:
             return False
         try:
-            self._writer.write(self._codec.encode(message))
+            self._writer.write(self.codec.encode(message))
         except (ConnectionError, RuntimeError) as e:
             self.close(f"send failed: {e}")
             return False
@@ -107,9 +108,9 @@ class Connection:
     async def read_message(self, timeout_s: float) -> Message:
         """Read one frame within ``timeout_s``; raises ProtocolError, TimeoutError or IncompleteReadError."""
         header = await asyncio.wait_for(self._reader.readexactly(HEADER.size), timeout_s)
-        length = self._codec.parse_header(header)
+        length = self.codec.parse_header(header)
         payload = await asyncio.wait_for(self._reader.readexactly(length), timeout_s)
-        return self._codec.decode(payload)
+        return self.codec.decode(payload)
 
     async def run(self) -> None:
         """Serve the connection until it ends: heartbeats out, messages in, silence or bad bytes = close."""

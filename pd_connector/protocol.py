@@ -3,18 +3,28 @@
 Every message is a msgspec Struct in one tagged union (``Message``), encoded as msgpack: never pickle, so a
 peer can at worst send a malformed frame, which is rejected. The conversation on one TCP connection:
 
-    D -> P  Hello(version, engine id, KV layout + hash, transport name, D's memory descriptor)
-    P -> D  HelloAck | Refused(reason naming what differs; the connection is then closed)
+    D -> P  Hello(version, engine id, KV layout + hash, transport name, D's nonce)
+    P -> D  HelloAck(engine id, layout hash, P's nonce, D's nonce echoed) | Refused(reason naming what differs)
+            -- from here on, with a shared secret, frames carry the session MAC (below) --
+    D -> P  Memory(D's transport descriptor: where and how P may write into D's KV cache)
+    P -> D  Ready | Refused(P cannot reach that memory)
     D -> P  Destinations(transfer id, D block ids, tokens wanted, lease)      (any number, any time)
     P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
     P -> D  Done(transfer id, tokens, first token)      (after every write landed; P's blocks are free then)
     either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
     either  Heartbeat every ``heartbeat_interval_s``: silence longer than the heartbeat timeout = dead peer
 
+Why D sends its memory descriptor only after ``HelloAck``: the descriptor lets its holder write into D's KV
+cache (TCP: the data listener and its token; UCX: remote keys), so D reveals it only to a P that proved the
+shared secret on a fresh nonce (an echo of D's nonce under the secret's MAC cannot be replayed from another
+connection). Which addresses D dials at all is the peer policy's business (``pd_connector.trust``).
+
 Framing (``FrameCodec``): ``MAGIC`` (4 bytes) + payload length (u32 big-endian) + payload, where payload is
-``HMAC-SHA256(secret, msgpack)`` (32 bytes, only when a shared secret is configured) followed by the msgpack
-bytes. Foreign bytes fail the magic check, oversized frames the length check, forged frames the HMAC check;
-each is a ``ProtocolError`` and the connection is dropped.
+``HMAC-SHA256(key, msgpack)`` (32 bytes, only when a shared secret is configured) followed by the msgpack
+bytes. The key is the secret for ``Hello`` and ``HelloAck`` and, after them, the session key
+``HMAC-SHA256(secret, "pd-session" + D's nonce + P's nonce)``, so no frame of one connection verifies on
+another. Foreign bytes fail the magic check, oversized frames the length check, forged or replayed frames the
+HMAC check; each is a ``ProtocolError`` and the connection is dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ import msgspec
 from pd_connector.layout import KVLayout
 
 #: Bumped on any incompatible change of the messages below; checked in the handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: Bytes of each side's handshake nonce.
+NONCE_BYTES = 16
 MAGIC = b"PDKV"
 HEADER = struct.Struct(">4sI")
 MAC_BYTES = 32
@@ -41,21 +53,33 @@ class ProtocolError(Exception):
 
 
 class Hello(msgspec.Struct, tag="hello"):
-    """D's handshake: who it is, how its KV cache is laid out, and how to write into it."""
+    """D's handshake: who it is, how its KV cache is laid out, and a fresh nonce P must echo."""
 
     version: int
     engine_id: str
     layout: KVLayout
     layout_hash: str
     transport: str
-    memory: bytes
+    nonce: bytes
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack"):
-    """P accepts D's Hello; D may now send Destinations."""
+    """P accepts D's Hello; ``echo`` is D's nonce (under the secret's MAC: P knows the secret, now)."""
 
     engine_id: str
     layout_hash: str
+    nonce: bytes
+    echo: bytes
+
+
+class Memory(msgspec.Struct, tag="memory"):
+    """D's transport descriptor (what ``Transport.register`` returned): only sent to a P that acknowledged."""
+
+    descriptor: bytes
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """P attached its transport to D's memory; D may now send Destinations."""
 
 
 class Refused(msgspec.Struct, tag="refused"):
@@ -122,7 +146,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     sent_at: float
 
 
-Message = Union[Hello, HelloAck, Refused, Destinations, LayerDone, Done, Abort, Ack, Heartbeat]  # noqa: UP007
+Message = Union[  # noqa: UP007
+    Hello, HelloAck, Memory, Ready, Refused, Destinations, LayerDone, Done, Abort, Ack, Heartbeat
+]
 
 
 class FrameCodec:
@@ -133,6 +159,14 @@ class FrameCodec:
         self.max_frame_bytes = max_frame_bytes
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Message)
+
+    def session(self, decode_nonce: bytes, prefill_nonce: bytes) -> FrameCodec:
+        """The codec for the rest of a connection after its handshake: keyed with the session key derived
+        from the secret and both nonces (no key without a secret)."""
+        if self._secret is None:
+            return self
+        key = hmac.new(self._secret, b"pd-session" + decode_nonce + prefill_nonce, hashlib.sha256).digest()
+        return FrameCodec(key, self.max_frame_bytes)
 
     def encode(self, message: Message) -> bytes:
         """Full frame (header + optional MAC + msgpack) for ``message``."""

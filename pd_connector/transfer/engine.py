@@ -25,6 +25,8 @@ from pd_connector.transfer.receiver import Receiver
 from pd_connector.transfer.sender import Sender
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
 from pd_connector.transport.base import Transport
+from pd_connector.transport.host import advertised_host
+from pd_connector.trust import PeerPolicy
 
 
 class TransferEngine:
@@ -45,6 +47,11 @@ class TransferEngine:
         self.config = config
         self.layout = layout
         try:
+            self.policy = PeerPolicy(
+                config.secret is not None, config.allowed_prefill_addrs, config.allow_insecure
+            )
+            if config.listen_port is not None:
+                self.policy.check_listener("the side channel", config.listen_host)
             memory = transport.register(layout.regions(buffers))
         except BaseException:
             transport.close()
@@ -89,9 +96,12 @@ class TransferEngine:
         and handshakes with P if needed, then sends ``Destinations``. Ends in ``poll()`` as DONE (the blocks
         hold the KV) or FAILED/ABORTED within ``timeout_s`` (default ``config.load_timeout_s``) plus
         ``abort_grace_s``; P is told to stop writing before FAILED is reported, or its connection is closed.
-        Raises ``ValueError`` at once if the tables cannot hold ``num_tokens`` or the id is in use.
+        Raises ``ValueError`` at once if the peer policy forbids ``prefill_addr``, the tables cannot hold
+        ``num_tokens`` or the id is in use.
         """
-        control.split_addr(prefill_addr)
+        refusal = self.policy.refusal(prefill_addr)
+        if refusal is not None:
+            raise ValueError(refusal)
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s
         if timeout <= 0 or num_tokens <= 0:
             raise ValueError(f"timeout_s and num_tokens must be positive, got {timeout}, {num_tokens}")
@@ -226,7 +236,7 @@ class TransferEngine:
             self._sender.serve_peer,
         )
         host, port = server.sockets[0].getsockname()[:2]
-        host = cfg.advertise_host or host
+        host = advertised_host(host, cfg.advertise_host)
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return server
 

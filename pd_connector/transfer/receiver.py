@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 
 import msgspec
 
 from pd_connector import control
 from pd_connector.protocol import (
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -24,8 +26,10 @@ from pd_connector.protocol import (
     Hello,
     HelloAck,
     LayerDone,
+    Memory,
     Message,
     ProtocolError,
+    Ready,
     Refused,
 )
 from pd_connector.transfer.context import EngineContext, logger
@@ -117,26 +121,7 @@ class Receiver:
             return
         link.conn = conn
         conn.on_close = lambda c, why: self._link_failed(link, f"prefill {link.addr} lost: {why}")
-        layout = self.ctx.layout
-        hello = Hello(
-            PROTOCOL_VERSION,
-            cfg.engine_id,
-            layout,
-            layout.compat_hash(),
-            self.ctx.transport.name,
-            self.memory,
-        )
-        reason = ""
-        try:
-            conn.send(hello)
-            reply = await conn.read_message(cfg.connect_timeout_s)
-        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
-            reply = None
-            reason = f"handshake with prefill {link.addr} failed: {e!r}"
-        if isinstance(reply, Refused):
-            reason = f"prefill {link.addr} refused the handshake: {reply.reason}"
-        elif reply is not None and not isinstance(reply, HelloAck):
-            reason = f"prefill {link.addr} answered the handshake with {type(reply).__name__}"
+        reason = await self._handshake(link, conn)
         if reason or link.conn is not conn:
             logger.error("control: %s", reason)
             conn.on_close = lambda c, why: None
@@ -154,6 +139,35 @@ class Receiver:
         for abort in aborts:
             conn.send(abort)
         await conn.run()
+
+    async def _handshake(self, link: _Link, conn: control.Connection) -> str:
+        """Hello, P's proof, then our memory descriptor: '' when P is ready for Destinations, else why not.
+
+        The descriptor lets its holder write into our KV cache, so it goes out only after P's HelloAck echoed
+        our fresh nonce (under the shared secret's MAC, when one is set).
+        """
+        cfg, layout = self.ctx.config, self.ctx.layout
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        conn.send(
+            Hello(
+                PROTOCOL_VERSION, cfg.engine_id, layout, layout.compat_hash(), self.ctx.transport.name, nonce
+            )
+        )
+        try:
+            reply = await conn.read_message(cfg.connect_timeout_s)
+            if isinstance(reply, HelloAck):
+                if reply.echo != nonce or len(reply.nonce) != NONCE_BYTES:
+                    return f"prefill {link.addr} answered the handshake without echoing our nonce"
+                conn.codec = conn.codec.session(nonce, reply.nonce)
+                conn.send(Memory(self.memory))
+                reply = await conn.read_message(cfg.connect_timeout_s)
+                if isinstance(reply, Ready):
+                    return ""
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
+            return f"handshake with prefill {link.addr} failed: {e!r}"
+        if isinstance(reply, Refused):
+            return f"prefill {link.addr} refused the handshake: {reply.reason}"
+        return f"prefill {link.addr} answered the handshake with {type(reply).__name__}"
 
     def _link_failed(self, link: _Link, reason: str) -> None:
         """The link is gone (refused, unreachable, closed): every transfer on it ends now."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import secrets
 import time
 from concurrent.futures import Future
 
 from pd_connector import control
 from pd_connector.layout import BlockMapping, LayoutMismatch, check_compatible
 from pd_connector.protocol import (
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Abort,
     Ack,
@@ -25,8 +27,10 @@ from pd_connector.protocol import (
     Hello,
     HelloAck,
     LayerDone,
+    Memory,
     Message,
     ProtocolError,
+    Ready,
     Refused,
 )
 from pd_connector.transfer.context import EngineContext, logger
@@ -58,7 +62,8 @@ class _Send:
     inflight: int = 0
     finished_at: float | None = None
     first_token: int | None = None
-    tokens_covered: int = 0
+    #: Token spans whose writes landed, per layer (sorted, merged): Done only when none has a hole.
+    covered: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     bytes: int = 0
     exposed_s: float = 0.0
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
@@ -125,6 +130,8 @@ class Sender:
                 f"transport mismatch: decode uses {hello.transport!r}, prefill {ctx.transport.name!r}",
                 ["transport"],
             )
+        if len(hello.nonce) != NONCE_BYTES:
+            return Refused(f"hello nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", ["nonce"])
         if hello.layout_hash != hello.layout.compat_hash():
             return Refused("layout_hash does not match the layout sent", ["layout_hash"])
         try:
@@ -134,22 +141,36 @@ class Sender:
         return None
 
     async def serve_peer(self, conn: control.Connection) -> None:
-        """Handle one decode side's connection on our listener: handshake, then messages until it closes."""
+        """Handle one decode side's connection on our listener: handshake, then messages until it closes.
+
+        Hello -> HelloAck (with a secret, its MAC over D's echoed nonce proves we share it) -> D's Memory ->
+        attach -> Ready. Anything else, late or malformed drops the connection (logged and counted).
+        """
         ctx = self.ctx
+        timeout = ctx.config.connect_timeout_s
         try:
-            hello = await conn.read_message(ctx.config.connect_timeout_s)
+            hello = await conn.read_message(timeout)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected hello, got {type(hello).__name__}")
+            refusal = self._check_hello(hello)
+            memory: Memory | None = None
+            if refusal is None:
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                conn.send(HelloAck(ctx.config.engine_id, ctx.layout.compat_hash(), nonce, hello.nonce))
+                conn.codec = conn.codec.session(hello.nonce, nonce)
+                reply = await conn.read_message(timeout)
+                if not isinstance(reply, Memory):
+                    raise ProtocolError(f"expected memory, got {type(reply).__name__}")
+                memory = reply
         except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
             ctx.count(rejected_connections=1)
             logger.error("control: rejecting connection from %s: %r", conn.peer, e)
             return
-        refusal = self._check_hello(hello)
         peer_id = f"{hello.engine_id}#{conn.id}"
-        if refusal is None:
+        if memory is not None:
             try:
-                attach = ctx.transport.attach(peer_id, hello.memory)
-                await asyncio.wait_for(asyncio.wrap_future(attach), ctx.config.connect_timeout_s)
+                attach = ctx.transport.attach(peer_id, memory.descriptor)
+                await asyncio.wait_for(asyncio.wrap_future(attach), timeout)
             except Exception as e:
                 ctx.transport.detach(peer_id)
                 refusal = Refused(f"cannot attach {ctx.transport.name} transport to decode memory: {e!r}")
@@ -162,7 +183,7 @@ class Sender:
         self.peers[conn] = peer
         conn.on_message = self._on_message
         conn.on_close = self._on_closed
-        conn.send(HelloAck(ctx.config.engine_id, ctx.layout.compat_hash()))
+        conn.send(Ready())
         logger.info("control: decode %s connected from %s", hello.engine_id, conn.peer)
         await conn.run()
 
@@ -336,12 +357,12 @@ class Sender:
                 self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
                 return
         copies = st.peer.mapping.layer_copies(layer, runs)
-        st.tokens_covered = max(st.tokens_covered, last)
         st.inflight += 1
         started = time.monotonic()
         future = ctx.transport.write(st.peer.peer_id, copies)
         timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, st, future)
-        future.add_done_callback(functools.partial(ctx.io.call, self._write_done, st, layer, started, timer))
+        done = functools.partial(self._write_done, st, layer, (first, last), started, timer)
+        future.add_done_callback(functools.partial(ctx.io.call, done))
 
     def _write_timed_out(self, st: _Send, future: Future[int]) -> None:
         if not future.done() and st.peer is not None:
@@ -350,7 +371,13 @@ class Sender:
             st.peer.conn.close(reason)  # detaches the endpoint, which fails the write
 
     def _write_done(
-        self, st: _Send, layer: int, started: float, timer: asyncio.TimerHandle, future: Future[int]
+        self,
+        st: _Send,
+        layer: int,
+        span: tuple[int, int],
+        started: float,
+        timer: asyncio.TimerHandle,
+        future: Future[int],
     ) -> None:
         timer.cancel()
         st.inflight -= 1
@@ -361,6 +388,7 @@ class Sender:
             return
         n = future.result()
         st.bytes += n
+        _add_span(st.covered.setdefault(layer, []), *span)
         self.ctx.count_layer(layer, n, time.monotonic() - started)
         if st.ending is not None or st.peer is None:
             self._maybe_ended(st)
@@ -373,13 +401,13 @@ class Sender:
         if st.peer is None or st.finished_at is None or st.inflight or st.ending is not None:
             return
         assert st.dests is not None
-        if st.tokens_covered < st.dests.num_tokens:
-            reason = f"prefill pushed {st.tokens_covered} of the {st.dests.num_tokens} tokens decode wants"
-            self._end(st, TransferState.FAILED, reason)
+        hole = _first_hole(st.covered, self.ctx.layout.num_layers, st.dests.start_token, st.dests.num_tokens)
+        if hole is not None:
+            self._end(st, TransferState.FAILED, hole)
             return
         st.exposed_s = time.monotonic() - st.finished_at
         self.ctx.count(exposed_seconds=st.exposed_s)
-        st.peer.conn.send(Done(st.transfer_id, st.tokens_covered, st.first_token))
+        st.peer.conn.send(Done(st.transfer_id, st.dests.num_tokens, st.first_token))
         # Push model: every byte is in D's memory and P's blocks are read by nobody else, so they are free
         # now; waiting for D to acknowledge Done would only hold P's memory one round trip longer.
         self._end(st, TransferState.DONE, "")
@@ -418,7 +446,7 @@ class Sender:
                 "send",
                 state,
                 reason,
-                num_tokens=st.tokens_covered,
+                num_tokens=st.dests.num_tokens if state is TransferState.DONE and st.dests else 0,
                 first_token=st.first_token,
                 bytes=st.bytes,
                 duration_s=time.monotonic() - st.started,
@@ -426,6 +454,32 @@ class Sender:
                 lease_expired=lease_expired,
             )
         )
+
+
+def _add_span(spans: list[tuple[int, int]], first: int, last: int) -> None:
+    """Merge ``[first, last)`` into sorted, disjoint ``spans`` (few per layer: chunks are contiguous)."""
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if b < first or a > last:
+            merged.append((a, b))
+        else:
+            first, last = min(a, first), max(b, last)
+    merged.append((first, last))
+    spans[:] = sorted(merged)
+
+
+def _first_hole(covered: dict[int, list[tuple[int, int]]], layers: int, start: int, end: int) -> str | None:
+    """Why tokens ``[start, end)`` are not all in D on every layer (the first gap found), or None."""
+    for layer in range(layers):
+        at = start
+        for a, b in covered.get(layer, ()):
+            if a > at:
+                break
+            at = max(at, b)
+        if at < end:
+            gap_end = next((a for a, _ in covered.get(layer, ()) if a > at), end)
+            return f"layer {layer} is missing tokens [{at}, {min(gap_end, end)}) of the [{start}, {end}) decode wants"
+    return None
 
 
 def _validate(peer: _Peer, dests: Destinations) -> str | None:

@@ -12,8 +12,10 @@ class TransferConfig:
 
     ``listen_host``/``listen_port``: where a prefill side (P) accepts decode sides (port 0 = ephemeral,
     read the bound address from ``TransferEngine.address``; ``listen_port=None``: no listener, a pure D).
-    ``advertise_host``: the host peers should dial when ``listen_host`` is a wildcard (``0.0.0.0``).
+    ``advertise_host``: the host peers should dial (default: ``listen_host``, or this host's address on
+    its default route when that is a wildcard such as ``0.0.0.0``).
     ``secret``: shared HMAC-SHA256 key; None disables authentication (trusted networks only).
+    ``allowed_prefill_addrs`` / ``allow_insecure``: the peer policy (``pd_connector.trust``).
     """
 
     engine_id: str
@@ -28,6 +30,8 @@ class TransferConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     secret: bytes | None = None
+    allowed_prefill_addrs: tuple[str, ...] = ()
+    allow_insecure: bool = False
     max_frame_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from .base import BlockCopy, MemoryRegion, Transport
 from .futures import fail as _fail
 from .futures import failed as _failed
+from .host import advertised_host
 from .loop_thread import LoopThread
 from .regions import RegionIndex, RegionTable, host_view, plan
 from .tcp_wire import (
@@ -75,7 +76,8 @@ class TcpConfig:
     host: str = "127.0.0.1"
     #: Port of the data listener; 0 picks a free one (the descriptor carries the real one).
     port: int = 0
-    #: Address peers connect to; defaults to ``host`` (set it when binding 0.0.0.0).
+    #: Address peers connect to; defaults to ``host``, or this host's default-route address when ``host``
+    #: is a wildcard (0.0.0.0).
     advertise_host: str | None = None
     #: Largest payload per frame in bytes; longer spans are split. Receivers drop bigger frames.
     max_frame_bytes: int = 64 << 20
@@ -351,7 +353,7 @@ class TcpTransport(Transport):
         self._io.submit(self._add_views(views)).result(self.config.connect_timeout_s)
         if self._server is None:
             self._io.submit(self._listen()).result(self.config.connect_timeout_s)
-        host = self.config.advertise_host or self.config.host
+        host = advertised_host(self.config.host, self.config.advertise_host)
         return msgspec.msgpack.encode(
             TcpDescriptor(PROTOCOL_VERSION, host, self._port, self.token, self._regions.infos())
         )

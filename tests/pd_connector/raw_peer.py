@@ -2,7 +2,7 @@
 
 Used in-process (foreign bytes, version mismatch, a peer that goes silent) and as a subprocess that the
 tests kill mid-transfer: ``python -m tests.pd_connector.raw_peer decode HOST:PORT LAYOUT_JSON DESCRIPTOR_HEX``
-handshakes as a decode side, sends Destinations for transfer ``killme`` and prints every message it receives,
+handshakes as a decode side (Hello, HelloAck, Memory, Ready), sends Destinations for transfer ``killme`` and prints every message it receives,
 one per line, until it is killed. ``python -m tests.pd_connector.raw_peer prefill LAYOUT_JSON`` listens as a
 prefill side, prints ``listening PORT``, accepts one decode, acknowledges its handshake, answers its
 Destinations with ``LayerDone`` for layer 0 and then sends heartbeats until it is killed.
@@ -10,6 +10,7 @@ Destinations with ``LayerDone`` for layer 0 and then sends heartbeats until it i
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 import threading
@@ -20,6 +21,7 @@ import msgspec
 from pd_connector.layout import KVLayout
 from pd_connector.protocol import (
     HEADER,
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Destinations,
     FrameCodec,
@@ -27,7 +29,9 @@ from pd_connector.protocol import (
     Hello,
     HelloAck,
     LayerDone,
+    Memory,
     Message,
+    Ready,
 )
 
 
@@ -50,11 +54,22 @@ class RawPeer:
 
     def recv(self) -> Message | None:
         """Next message, or None when the other side closed the connection."""
-        header = self._exact(HEADER.size)
+        header = self.read_exactly(HEADER.size)
         if header is None:
             return None
-        payload = self._exact(self.codec.parse_header(header))
+        payload = self.read_exactly(self.codec.parse_header(header))
         return None if payload is None else self.codec.decode(payload)
+
+    def handshake(self, hello: Hello, memory: bytes) -> Message | None:
+        """As a decode side: ``hello``, then (once acknowledged) ``memory``; returns P's last answer (``Ready``
+        when accepted, ``Refused`` or the unexpected message otherwise, None when P closed)."""
+        self.send(hello)
+        ack = self.recv()
+        if not isinstance(ack, HelloAck):
+            return ack
+        self.codec = self.codec.session(hello.nonce, ack.nonce)
+        self.send(Memory(memory))
+        return self.recv()
 
     def closed_by_peer(self, timeout_s: float = 5.0) -> bool:
         """True once the other side closed the connection (reads EOF or a reset) within ``timeout_s``."""
@@ -68,7 +83,8 @@ class RawPeer:
         except TimeoutError:
             return False
 
-    def _exact(self, n: int) -> bytes | None:
+    def read_exactly(self, n: int) -> bytes | None:
+        """``n`` raw bytes, or None when the other side closed first."""
         data = b""
         while len(data) < n:
             chunk = self.sock.recv(n - len(data))
@@ -81,10 +97,10 @@ class RawPeer:
         self.sock.close()
 
 
-def hello(
-    layout: KVLayout, memory: bytes, transport: str = "loopback", version: int = PROTOCOL_VERSION
-) -> Hello:
-    return Hello(version, "raw-decode", layout, layout.compat_hash(), transport, memory)
+def hello(layout: KVLayout, transport: str = "loopback", version: int = PROTOCOL_VERSION) -> Hello:
+    return Hello(
+        version, "raw-decode", layout, layout.compat_hash(), transport, secrets.token_bytes(NONCE_BYTES)
+    )
 
 
 def _heartbeats(peer: RawPeer) -> None:
@@ -99,12 +115,13 @@ def main() -> None:
         addr, layout_json, descriptor = sys.argv[2], sys.argv[3], bytes.fromhex(sys.argv[4])
         layout = msgspec.json.decode(layout_json, type=KVLayout)
         peer = RawPeer.connect(addr)
-        peer.send(hello(layout, descriptor))
         peer.sock.settimeout(None)
+        ready = peer.handshake(hello(layout), descriptor)
+        print(type(ready).__name__, flush=True)
+        if isinstance(ready, Ready):
+            threading.Thread(target=_heartbeats, args=(peer,), daemon=True).start()
+            peer.send(Destinations("killme", 8, 30.0, block_ids=[1, 2]))
         while (msg := peer.recv()) is not None:
-            if isinstance(msg, HelloAck):
-                threading.Thread(target=_heartbeats, args=(peer,), daemon=True).start()
-                peer.send(Destinations("killme", 8, 30.0, block_ids=[1, 2]))
             print(type(msg).__name__, flush=True)
     else:
         layout = msgspec.json.decode(sys.argv[2], type=KVLayout)
@@ -115,7 +132,11 @@ def main() -> None:
         peer.sock.settimeout(None)
         while (msg := peer.recv()) is not None:
             if isinstance(msg, Hello):
-                peer.send(HelloAck("raw-prefill", layout.compat_hash()))
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                peer.send(HelloAck("raw-prefill", layout.compat_hash(), nonce, msg.nonce))
+                peer.codec = peer.codec.session(msg.nonce, nonce)
+            elif isinstance(msg, Memory):
+                peer.send(Ready())
                 threading.Thread(target=_heartbeats, args=(peer,), daemon=True).start()
             elif isinstance(msg, Destinations):
                 peer.send(LayerDone(msg.transfer_id, 0, 1))

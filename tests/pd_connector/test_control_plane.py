@@ -19,13 +19,17 @@ import pytest
 from pd_connector.protocol import (
     HEADER,
     MAGIC,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     Ack,
     Destinations,
     Heartbeat,
     Hello,
     HelloAck,
+    Memory,
     Message,
+    Ready,
     Refused,
 )
 from pd_connector.transfer import TransferEngine, TransferState
@@ -107,8 +111,7 @@ def test_foreign_and_garbage_bytes_are_dropped_while_others_work(
             socks[name].sock.sendall(payload)
         # A peer that handshakes correctly and then sends garbage is dropped too.
         late = RawPeer.connect(prefill.addr)
-        late.send(hello(SMALL, prefill.d_memory))
-        assert isinstance(late.recv(), HelloAck)
+        assert isinstance(late.handshake(hello(SMALL), prefill.d_memory), Ready)
         late.sock.sendall(b"\x00" * 32)
         for name, peer in [*socks.items(), ("late", late)]:
             assert peer.closed_by_peer(), f"{name} connection was not dropped"
@@ -127,9 +130,10 @@ def test_foreign_and_garbage_bytes_are_dropped_while_others_work(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"version": 99}, "protocol version mismatch: decode speaks 99, prefill 1"),
+        ({"version": 99}, f"protocol version mismatch: decode speaks 99, prefill {PROTOCOL_VERSION}"),
         ({"transport": "tcp"}, "transport mismatch: decode uses 'tcp', prefill 'loopback'"),
         ({"layout_hash": "0" * 64}, "layout_hash does not match"),
+        ({"nonce": b"short"}, "nonce must be 16 bytes"),
         ({"memory": b"\x00\x00\x00\x00\x00\x00\x99\x99"}, "cannot attach loopback transport"),
     ],
 )
@@ -137,8 +141,9 @@ def test_bad_handshakes_are_refused_with_a_clear_message(
     prefill: Prefill, change: dict[str, object], message: str
 ) -> None:
     peer = RawPeer.connect(prefill.addr)
-    peer.send(msgspec.structs.replace(hello(SMALL, prefill.d_memory), **change))
-    reply = peer.recv()
+    memory = change.pop("memory", prefill.d_memory)
+    assert isinstance(memory, bytes)
+    reply = peer.handshake(msgspec.structs.replace(hello(SMALL), **change), memory)
     assert isinstance(reply, Refused) and message in reply.reason
     assert peer.closed_by_peer()
     peer.close()
@@ -154,8 +159,7 @@ def test_handshake_must_come_within_the_connect_timeout(prefill: Prefill) -> Non
 
 def test_silent_decode_is_dropped_and_its_transfers_released(prefill: Prefill) -> None:
     peer = RawPeer.connect(prefill.addr)
-    peer.send(hello(SMALL, prefill.d_memory))
-    assert isinstance(peer.recv(), HelloAck)
+    assert isinstance(peer.handshake(hello(SMALL), prefill.d_memory), Ready)
     peer.send(Destinations("hb", 8, 30.0, block_ids=[1, 2]))
     prefill.engine.offer("hb", [3, 4])
     prefill.engine.push_layer("hb", 0)
@@ -173,11 +177,15 @@ def test_silent_prefill_fails_decode_before_its_load_timeout() -> None:
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
-    def fake_prefill() -> None:  # acknowledges the handshake, then never says anything again
+    def fake_prefill() -> None:  # completes the handshake, then never says anything again
         sock, _ = server.accept()
         peer = RawPeer(sock)
-        assert isinstance(peer.recv(), Hello)
-        peer.send(HelloAck("silent", SMALL.compat_hash()))
+        hello_msg = peer.recv()
+        assert isinstance(hello_msg, Hello)
+        peer.send(HelloAck("silent", SMALL.compat_hash(), b"p" * NONCE_BYTES, hello_msg.nonce))
+        peer.codec = peer.codec.session(hello_msg.nonce, b"p" * NONCE_BYTES)
+        assert isinstance(peer.recv(), Memory)
+        peer.send(Ready())
         stop.wait(10)
         peer.close()
 
@@ -243,7 +251,7 @@ def test_decode_process_killed_mid_transfer_releases_prefill(prefill: Prefill) -
     layout_json = msgspec.json.encode(SMALL).decode()
     proc = _spawn("decode", prefill.addr, layout_json, prefill.d_memory.hex())
     try:
-        _read_until(proc, "HelloAck")
+        _read_until(proc, "Ready")
         prefill.engine.offer("killme", [3, 4])
         prefill.engine.push_layer("killme", 0)
         _read_until(proc, "LayerDone")  # layer 0 landed, layers 1-2 still to come: mid-transfer
@@ -290,8 +298,7 @@ def test_prefill_process_killed_mid_transfer_fails_decode() -> None:
 
 def _connected_raw_decode(prefill: Prefill) -> RawPeer:
     peer = RawPeer.connect(prefill.addr)
-    peer.send(hello(SMALL, prefill.d_memory))
-    assert isinstance(peer.recv(), HelloAck)
+    assert isinstance(peer.handshake(hello(SMALL), prefill.d_memory), Ready)
     return peer
 
 

@@ -19,8 +19,10 @@ from pd_connector.protocol import (
     Hello,
     HelloAck,
     LayerDone,
+    Memory,
     Message,
     ProtocolError,
+    Ready,
     Refused,
 )
 
@@ -36,8 +38,10 @@ LAYOUT = KVLayout(
     token_major=True,
 )
 MESSAGES: list[Message] = [
-    Hello(PROTOCOL_VERSION, "d0", LAYOUT, LAYOUT.compat_hash(), "tcp", b"\x00\x01desc"),
-    HelloAck("p0", LAYOUT.compat_hash()),
+    Hello(PROTOCOL_VERSION, "d0", LAYOUT, LAYOUT.compat_hash(), "tcp", b"n" * 16),
+    HelloAck("p0", LAYOUT.compat_hash(), b"p" * 16, b"n" * 16),
+    Memory(b"\x00\x01desc"),
+    Ready(),
     Refused("dtype differs", ["dtype"]),
     Destinations("t", 40, 3.5, block_ids=[4, 2, 9]),
     Destinations("t", 40, 3.5, layer_block_ids=[[1, 2, 3], [4, 5, 6]]),
@@ -98,3 +102,20 @@ def test_wrong_or_missing_hmac_is_rejected() -> None:
     tampered[-1] ^= 1
     with pytest.raises(ProtocolError, match="HMAC mismatch"):
         FrameCodec(b"right").decode(bytes(tampered[HEADER.size :]))
+
+
+def test_session_keys_bind_frames_to_one_connection() -> None:
+    """After the handshake both sides MAC with a key from the secret and both nonces: a frame recorded on
+    one connection (or signed with the bare secret) fails on any other; without a secret nothing changes."""
+    secret = FrameCodec(b"s3cret")
+    one, same = secret.session(b"d" * 16, b"p" * 16), secret.session(b"d" * 16, b"p" * 16)
+    other = secret.session(b"d" * 16, b"q" * 16)
+    frame = one.encode(Ack("t"))
+    assert same.decode(frame[HEADER.size :]) == Ack("t")
+    for codec in (other, secret):
+        with pytest.raises(ProtocolError, match="HMAC mismatch"):
+            codec.decode(frame[HEADER.size :])
+    with pytest.raises(ProtocolError, match="HMAC mismatch"):
+        one.decode(secret.encode(Ack("t"))[HEADER.size :])
+    plain = FrameCodec()
+    assert plain.session(b"d" * 16, b"p" * 16) is plain

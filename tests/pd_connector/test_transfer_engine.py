@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import suppress
 
 import msgspec
 import pytest
@@ -13,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_connector.layout import KVLayout
+from pd_connector.protocol import HEADER, FrameCodec, Hello, HelloAck
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
+from pd_connector.trust import InsecureConfig
 from tests.pd_connector.engines import (
     SLACK_S,
     SMALL,
@@ -25,6 +29,7 @@ from tests.pd_connector.engines import (
     make_engine,
     wait_results,
 )
+from tests.pd_connector.raw_peer import RawPeer
 
 pytestmark = pytest.mark.unit
 
@@ -236,16 +241,46 @@ def test_abort_before_anything_happened(pair: Pair) -> None:
     assert_no_state(pair.p, pair.d)
 
 
-def test_prefill_pushing_too_few_tokens_fails_both_sides(pair: Pair) -> None:
+@pytest.mark.parametrize(
+    ("pushes", "hole"),
+    [
+        (
+            [(layer, 0, 1) for layer in range(3)],
+            "layer 0 is missing tokens [4, 8)",
+        ),  # the tail of every layer
+        # P's prefix-cache hit (block 0) never pushed, the highest token covered: the hole that once passed.
+        ([(layer, 1, 2) for layer in range(3)], "layer 0 is missing tokens [0, 4)"),
+        ([(0, 0, 2), (1, 0, 2), (2, 0, 1)], "layer 2 is missing tokens [4, 8)"),  # one layer short
+    ],
+)
+def test_a_hole_in_any_layer_fails_both_sides(
+    pair: Pair, pushes: list[tuple[int, int, int]], hole: str
+) -> None:
+    """Done only when every layer holds every token D asked for; otherwise both sides fail, naming the hole."""
     pair.d.expect("short", addr(pair.p), [1, 2], 8)
     pair.p.offer("short", [3, 4])
-    pair.p.push_layer("short", 0, 0, 1)  # only 4 of 8 tokens
+    for layer, first, end in pushes:
+        pair.p.push_layer("short", layer, first, end)
     pair.p.finish("short")
     d = wait_results(pair.d, {"short"})["short"]
     p = wait_results(pair.p, {"short"})["short"]
-    assert d.state is TransferState.FAILED and "pushed 4 of the 8 tokens" in d.reason
+    assert d.state is TransferState.FAILED and hole in d.reason, d.reason
     assert p.state is TransferState.FAILED
     assert_no_state(pair.p, pair.d)
+
+
+def test_overlapping_pushes_in_any_order_cover_the_prompt(pair: Pair) -> None:
+    """Chunks arrive as recorded intents and re-pushed boundary blocks: coverage is a union of spans."""
+    pair.d.expect("ov", addr(pair.p), [7, 8, 9], 12)
+    pair.p.offer("ov", [1, 2, 3])
+    for layer in range(SMALL.num_layers):
+        pair.p.push_layer("ov", layer, 2, 3)
+        pair.p.push_layer("ov", layer, 0, 2)
+        pair.p.push_layer("ov", layer, 1, 3)
+    pair.p.finish("ov")
+    assert wait_results(pair.d, {"ov"})["ov"].state is TransferState.DONE
+    assert wait_results(pair.p, {"ov"})["ov"].state is TransferState.DONE
+    pair.assert_copied([1, 2, 3], [7, 8, 9], 12)
 
 
 def test_layout_mismatch_is_refused_with_the_differing_fields() -> None:
@@ -458,14 +493,95 @@ def test_decode_abort_before_its_destinations_left_releases_prefill_at_once() ->
         assert_no_state(pr.p, pr.d)
 
 
-def test_wildcard_listener_advertises_the_configured_host() -> None:
+def test_wildcard_listener_advertises_a_reachable_host() -> None:
+    """A wildcard bind is no address a peer can dial: the configured advertise host, else this host's own."""
     fabric = LoopbackFabric()
     cache = KVCache(SMALL, 4, seed=None)
-    engine = make_engine(
-        cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", advertise_host="127.0.0.1"
+    listed = make_engine(
+        cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", advertise_host="10.1.2.3", secret=b"s"
     )
-    with closing(engine):
-        assert addr(engine).startswith("127.0.0.1:")
+    auto = make_engine(cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", secret=b"s")
+    with closing(listed, auto):
+        assert addr(listed).startswith("10.1.2.3:")
+        assert not addr(auto).startswith("0.0.0.0:")
+
+
+def test_protected_mode_refuses_an_open_side_channel_without_a_secret() -> None:
+    fabric = LoopbackFabric()
+    cache = KVCache(SMALL, 4, seed=None)
+    with pytest.raises(InsecureConfig, match="no shared secret is set"):
+        make_engine(cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0")
+    assert len(fabric) == 0, "the refused engine released its transport"
+    opted_in = make_engine(cache, LoopbackTransport(fabric), True, listen_host="0.0.0.0", allow_insecure=True)
+    opted_in.close()
+
+
+def test_decode_dials_only_what_its_peer_policy_allows(pair: Pair) -> None:
+    with pytest.raises(ValueError, match="dials loopback only"):
+        pair.d.expect("far", "10.0.0.9:7600", [1], 4)
+    listed = Pair(allowed_prefill_addrs=("127.0.0.2",))
+    with closing(listed.p, listed.d), pytest.raises(ValueError, match="not in allowed_prefill_addrs"):
+        listed.d.expect("x", addr(listed.p), [1], 4)
+    assert_no_state(pair.d)
+
+
+class _FakePrefill:
+    """A listener that answers D's Hello with a given codec and ack, then records every frame D sends."""
+
+    def __init__(self, codec: FrameCodec, ack: Callable[[Hello], HelloAck]) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.frames_after_hello = 0
+        self._codec, self._ack = codec, ack
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        sock, _ = self.server.accept()
+        peer = RawPeer(sock, secret=b"right")  # reads D's Hello (what it can read is not under test)
+        first = peer.recv()
+        assert isinstance(first, Hello)
+        peer.codec = self._codec
+        peer.send(self._ack(first))
+        with suppress(OSError):  # count raw frames: D must send none
+            while (header := peer.read_exactly(HEADER.size)) is not None:
+                peer.read_exactly(HEADER.unpack(header)[1])
+                self.frames_after_hello += 1
+        peer.close()
+
+    def close(self) -> None:
+        self._thread.join(10)
+        self.server.close()
+
+
+@pytest.mark.parametrize(
+    ("codec", "ack", "why"),
+    [
+        (
+            FrameCodec(b"guess"),
+            lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce),
+            "HMAC mismatch",
+        ),
+        (FrameCodec(), lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce), "HMAC mismatch"),
+        # A HelloAck recorded from another connection: right MAC, someone else's nonce.
+        (FrameCodec(b"right"), lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, b"n" * 16), "echoing"),
+    ],
+)
+def test_decode_reveals_its_memory_only_to_a_prefill_that_proves_the_secret(
+    codec: FrameCodec, ack: Callable[[Hello], HelloAck], why: str
+) -> None:
+    """D's memory descriptor lets its holder write into D's KV cache: a listener that cannot prove the shared
+    secret on D's fresh nonce never gets it, and the load fails at once, saying why."""
+    fake = _FakePrefill(codec, ack)
+    dc = KVCache(SMALL, 8, None)
+    d = make_engine(dc, LoopbackTransport(LoopbackFabric()), False, "D", secret=b"right", **FAST)
+    with closing(d):
+        d.expect("m", fake.addr, [1], 4, timeout_s=5)
+        r = wait_results(d, {"m"})["m"]
+        assert r.state is TransferState.FAILED and why in r.reason, r.reason
+        assert_no_state(d)
+    fake.close()
+    assert fake.frames_after_hello == 0, "nothing after Hello: no Memory, no Destinations"
 
 
 def test_construction_failures_release_the_transport() -> None:
