@@ -8,8 +8,13 @@ the next token is `` w<n>`` where n counts the words in prompt + output, so a st
 prompt + partial output produces exactly what an uninterrupted one would (what the router's failover needs).
 
 Knobs on ``FakeEngine`` let tests make it slow, fail with a status, die mid-stream, or report unhealthy; it
-records every request body and every leg the client abandoned. Runs in-process (aiohttp test server) or as a
-process: ``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
+records every request body (decoded and as the bytes received) and every leg the client abandoned. Asked to
+prefill for a remote decode (vLLM's standard flow), it answers ``kv_transfer_params`` as PDConnector does
+(``pd_connector.wire.PrefillReturned``), or ``kv_answer`` when a test sets one. A cluster's fakes may share
+``Pairings``: a decode engine then answers a P/D leg only once a prefill engine has received its partner
+(same transfer id or SGLang room), as a real D waits for P's KV, so tests see both legs of a pair whatever
+order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real one recomputes).
+Runs in-process (aiohttp test server) or as a process: ``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
 
 For the router benchmark (``stamps={}``) it records, per streamed request, when the request arrived and when
 its first and its ``[DONE]`` event were handed to the socket, on CLOCK_MONOTONIC (``time.monotonic_ns``,
@@ -30,6 +35,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pd_connector import wire
+
 FINGERPRINT = "vllm-0.32.0-c2432dea"
 _ids = itertools.count()
 
@@ -47,6 +54,39 @@ def generate(text: str, n: int) -> list[str]:
     return out
 
 
+def _transfer_id(params: Any) -> Any:
+    return params.get("pd_transfer_id") if isinstance(params, dict) else None
+
+
+def _pairing_key(body: dict[str, Any]) -> Any:
+    """What pairs a P/D leg with its partner: our transfer id, or SGLang's bootstrap room; None: unpaired."""
+    transfer = _transfer_id(body.get(wire.KV_TRANSFER_PARAMS))
+    return body.get("bootstrap_room") if transfer is None else transfer
+
+
+class Pairings:
+    """The P/D legs a cluster's prefill engines received, for its decode engines to wait on."""
+
+    def __init__(self, load_timeout_s: float = 2.0) -> None:
+        self.load_timeout_s = load_timeout_s
+        self._received: set[Any] = set()
+        self._changed = asyncio.Event()
+
+    def received(self, key: Any) -> None:
+        self._received.add(key)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self, key: Any) -> None:
+        """Until a prefill engine received the leg ``key`` (or ``load_timeout_s`` passed: D recomputes)."""
+        try:
+            async with asyncio.timeout(self.load_timeout_s):
+                while key not in self._received:
+                    await self._changed.wait()
+        except TimeoutError:
+            pass
+
+
 @dataclass
 class FakeEngine:
     """State and failure knobs of one fake server (tests set them between requests)."""
@@ -61,6 +101,13 @@ class FakeEngine:
     # Close the connection abruptly after this many streamed tokens, or before a non-streamed answer (once).
     die_after_tokens: int = -1
     requests: list[dict[str, Any]] = field(default_factory=list)
+    raw_requests: list[bytes] = field(default_factory=list)
+    # The side channel a prefill answer names (vllm-standard), and an answer to send instead of ours.
+    side_channel: str = "127.0.0.1:7600"
+    kv_answer: dict[str, Any] | None = None
+    # Shared with the cluster's other fakes; ``role`` says whether this one reports legs or waits for them.
+    pairings: Pairings | None = None
+    role: str = "decode"
     abandoned: int = 0  # legs whose client closed the connection before the end
     finished: int = 0
     # Bench only: prompt's last word -> (arrived, first event, [DONE]) in monotonic ns; None = not recorded.
@@ -115,8 +162,16 @@ class FakeEngine:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic_ns()  # the handler runs once the request's head was parsed
-        body = msgspec.json.decode(await request.read())
+        raw = await request.read()
+        body = msgspec.json.decode(raw)
+        self.raw_requests.append(raw)
         self.requests.append(body)
+        key = _pairing_key(body)
+        if self.pairings is not None and key is not None:
+            if self.role == "prefill":
+                self.pairings.received(key)
+            else:
+                await self.pairings.wait(key)
         if self.fail_status:
             return self._error(self.fail_status, "injected failure")
         if body.get("model") != self.model:
@@ -138,12 +193,14 @@ class FakeEngine:
             except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
                 self.abandoned += 1
                 raise
-        kv = body.get("kv_transfer_params")
-        returned = (
-            {"remote_engine_id": "fake", "remote_block_ids": [0]}
-            if kv and kv.get("do_remote_decode")
-            else None
-        )
+        kv = body.get(wire.KV_TRANSFER_PARAMS)
+        returned = None
+        if kv and kv.get("do_remote_decode"):  # P in vLLM's standard flow: its request id is the transfer id
+            ours = wire.encode(wire.PrefillReturned(f"fake-{next(_ids)}", self.side_channel))
+            returned = ours if self.kv_answer is None else self.kv_answer
+            transfer = _transfer_id(returned)
+            if self.pairings is not None and transfer is not None:
+                self.pairings.received(transfer)
         if not body.get("stream"):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s * n_tokens)

@@ -80,6 +80,12 @@ class RouterMetrics:
         self.client_disconnects = Counter(
             "pd_router_client_disconnects", "Clients that went away before the response ended", registry=r
         )
+        self.transfer_fields_dropped = Counter(
+            "pd_router_client_transfer_fields_dropped",
+            "Client requests that carried P/D transfer fields (kv_transfer_params, bootstrap_*); the router"
+            " dropped them and set its own",
+            registry=r,
+        )
         self.queued = Gauge("pd_router_waiting", "Requests waiting for a decode slot", registry=r)
         # The request path's children, memoized: ``labels()`` costs ~3 us a call (argument checks and a
         # lock), several times per request; these label sets are few (endpoints, routes, reasons, statuses).

@@ -5,7 +5,8 @@ Called by ``app.complete`` (router process, one coroutine per request), for requ
 
 - Admission: more than ``server.max_pending`` requests in the router -> 429 with Retry-After. Every decode
   worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429.
-- Route: the policy says LOCAL (D only, the body forwarded unchanged) or DISAGG (P and D legs per flow).
+- Route: the policy says LOCAL (D only, the body forwarded as parsed: the client's, less any transfer fields,
+  see ``requests.parse``) or DISAGG (P and D legs per flow, with the router's own transfer fields).
 - Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
   stream) is retried on other workers with exponential backoff and jitter, at most ``retry.max_attempts``.
 - After the first byte: a decode worker failure is resumed on another decode worker (``streaming.py``).
@@ -84,6 +85,10 @@ class Proxy:
 
     async def handle(self, client: Downstream, parsed: Parsed, path: str) -> Reply | None:
         """Serve one parsed request; returns the reply, or None when it went out as a stream to ``client``."""
+        if parsed.dropped:
+            self.metrics.transfer_fields_dropped.inc()
+            # the names only: values are the client's data, which the router never logs
+            log.debug("dropped client-supplied transfer fields %s", sorted(parsed.dropped))
         if self.pending >= self.cfg.server.max_pending:
             self.metrics.requests_for(path, "rejected", "overload").inc()
             raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)

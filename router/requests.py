@@ -4,6 +4,11 @@ Called by the request handlers in the router process. The body is kept as the cl
 unchanged on the direct path, so unknown sampling fields reach the engine untouched); only the fields the
 router relies on are type-checked, through a msgspec Struct, so a wrong type yields a 400 that names the field
 (``param``) instead of a crash.
+
+The one exception to "unchanged": the P/D transfer fields (``pd_connector.wire.TRANSFER_FIELDS``) are dropped
+here, before anything else reads the body. They tell an engine to hold blocks, dial a peer or push KV, so only
+the router may set them (docs/architecture.md, trust model); every later path (local, P/D legs, a resumed
+stream) builds on the cleaned body. A body without them keeps its raw bytes, which the local path forwards.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from pd_connector.wire import TRANSFER_FIELDS
 from router.errors import ApiError, bad_request
 from router.tokenize import PromptTokenizer
 
@@ -46,7 +52,10 @@ class _Chat(_Common):
 
 
 class Parsed(msgspec.Struct):
-    """A validated request: the client's body plus what routing needs."""
+    """A validated request: the client's body plus what routing needs.
+
+    ``body`` and ``raw`` never carry a transfer field (``dropped`` names those the client sent).
+    """
 
     kind: Kind
     body: dict[str, Any]
@@ -58,6 +67,7 @@ class Parsed(msgspec.Struct):
     # A single choice from a text prompt: a broken decode stream can be continued on another worker.
     resumable: bool
     recount: Callable[[], Awaitable[int]] | None = None
+    dropped: frozenset[str] = frozenset()
 
     async def exact_prompt_tokens(self) -> int:
         """The prompt's real token count (what a resumed stream reports in its usage)."""
@@ -156,6 +166,11 @@ async def parse(
     and ``Parsed.recount`` counts it if a resumed stream needs the real number.
     """
     body = decode_json(raw)
+    dropped = TRANSFER_FIELDS.intersection(body)
+    if dropped:
+        for name in dropped:
+            del body[name]
+        raw = msgspec.json.encode(body)
     spec: type[_Completion] | type[_Chat] = _Completion if kind == "completions" else _Chat
     try:
         req = msgspec.convert(body, spec, strict=True)
@@ -199,7 +214,9 @@ async def parse(
                 counted.append(sum(await _lengths(prompts, tokenizer, special)))
             return counted[0]
 
-        return Parsed(kind, body, raw, sum(bounds), max_tokens, req.stream, resumable and req.stream, recount)
+        return Parsed(
+            kind, body, raw, sum(bounds), max_tokens, req.stream, resumable and req.stream, recount, dropped
+        )
     lengths = await _lengths(prompts, tokenizer, special)
     longest = max(lengths)
     if not _fits(longest, max_tokens, max_model_len):
@@ -209,4 +226,6 @@ async def parse(
             "prompt or max_tokens.",
             "input_tokens",
         )
-    return Parsed(kind, body, raw, sum(lengths), max_tokens, req.stream, resumable and req.stream)
+    return Parsed(
+        kind, body, raw, sum(lengths), max_tokens, req.stream, resumable and req.stream, dropped=dropped
+    )

@@ -153,7 +153,7 @@ class StreamState:
 def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
     """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do."""
     so_far = "".join(state.text)
-    body = {k: v for k, v in parsed.body.items() if k != "kv_transfer_params"}
+    body = dict(parsed.body)  # carries no transfer fields (``Parsed``): the new worker prefills itself
     if parsed.max_tokens is not None:
         left = parsed.max_tokens - state.tokens
         if left <= 0:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from pd_connector import wire
 from router.balancer import Worker
 from router.config import Flow
 from router.http1 import HttpError, Pool, Response
@@ -159,34 +160,29 @@ def prefill_body(body: dict[str, Any], flow: Flow, transfer: str, prefill: Worke
         out["max_completion_tokens"] = 1
     out["stream"] = False
     if flow == "pd-push":
-        out["kv_transfer_params"] = {"pd_transfer_id": transfer, "pd_role": "prefill"}
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(wire.PushPrefill(transfer))
     elif flow == "vllm-standard":
-        out["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(wire.StandardPrefill())
     else:
         out.update(sglang_fields(prefill, room))
     return msgspec.json.encode(out)
 
 
 def decode_body(
-    body: dict[str, Any], flow: Flow, transfer: str, prefill: Worker, room: int, returned: Any = None
+    body: dict[str, Any],
+    flow: Flow,
+    transfer: str,
+    prefill: Worker,
+    room: int,
+    returned: wire.PrefillReturned | None = None,
 ) -> dict[str, Any]:
-    """What D gets on the disaggregated path (``returned``: P's kv_transfer_params in vllm-standard)."""
+    """What D gets on the disaggregated path (``returned``: what P answered in vllm-standard)."""
     out = dict(body)
     if flow == "pd-push":
-        out["kv_transfer_params"] = {
-            "pd_transfer_id": transfer,
-            "pd_role": "decode",
-            "pd_prefill_addr": prefill.cfg.bootstrap,
-        }
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(wire.PushDecode(transfer, prefill.cfg.bootstrap))
     elif flow == "vllm-standard":
-        out["kv_transfer_params"] = returned
+        assert returned is not None
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(returned)
     else:
         out.update(sglang_fields(prefill, room))
     return out
@@ -203,12 +199,18 @@ def bootstrap_room(rng: random.Random) -> int:
     return rng.getrandbits(63)
 
 
-def returned_params(data: bytes) -> Any:
-    """``kv_transfer_params`` from P's JSON answer (vllm-standard), or raise ``UpstreamError``."""
+def returned_params(data: bytes) -> wire.PrefillReturned:
+    """What P answered in ``kv_transfer_params`` (vllm-standard), or raise ``UpstreamError``.
+
+    Only our connector's answer (``wire.PrefillReturned``) is accepted: the caller re-encodes it, so D gets
+    the fields the contract names and nothing else P (or whatever answers as P) put there.
+    """
     try:
-        params = msgspec.json.decode(data).get("kv_transfer_params")
+        params = wire.parse_params(msgspec.json.decode(data).get(wire.KV_TRANSFER_PARAMS))
     except (msgspec.DecodeError, AttributeError):
         raise UpstreamError("protocol", "prefill answer is not a JSON object") from None
-    if params is None:
-        raise UpstreamError("protocol", "prefill answer carries no kv_transfer_params")
+    except wire.BadParams as e:
+        raise UpstreamError("protocol", f"prefill answer: {e}") from None
+    if not isinstance(params, wire.PrefillReturned):
+        raise UpstreamError("protocol", "prefill answer carries no kv_transfer_params for a remote prefill")
     return params

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import AppRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from pd_disagg.fake_vllm import FakeEngine
+from pd_disagg.fake_vllm import FakeEngine, Pairings
 from router.app import STATE, RouterState, make_app
 from router.config import RouterConfig, parse_config
 from router.front import FrontRunner
@@ -96,9 +96,10 @@ async def make_cluster(tokenizer_dir: Path, router_server: type[TestServer]) -> 
     clusters: list[Cluster] = []
 
     async def make(n_prefill: int = 1, n_decode: int = 2, flow: str = "pd-push", **overrides: Any) -> Cluster:
+        pairings = Pairings()  # D answers a P/D leg once P has its partner: tests see both legs
         cluster = Cluster(
-            [FakeEngine(model=MODEL) for _ in range(n_prefill)],
-            [FakeEngine(model=MODEL) for _ in range(n_decode)],
+            [FakeEngine(model=MODEL, pairings=pairings, role="prefill") for _ in range(n_prefill)],
+            [FakeEngine(model=MODEL, pairings=pairings) for _ in range(n_decode)],
         )
         clusters.append(cluster)
         for engine in (*cluster.prefill, *cluster.decode):

@@ -110,13 +110,14 @@ async def test_prefill_failure_lets_decode_recompute_in_pd_push(make_cluster) ->
 async def test_vllm_standard_prefill_failover_then_local(make_cluster) -> None:
     c = await make_cluster(n_prefill=2, n_decode=1, flow="vllm-standard")
     c.prefill[0].fail_status = 500
+    c.prefill[1].side_channel = "127.0.0.1:7601"
     c.state.balancer.prefill.workers[1].outstanding_tokens = 1  # P0 is picked first
     r = await c.router.post(
         "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
     )
     assert r.status == 200
     assert len(c.prefill[0].requests) == 1 and len(c.prefill[1].requests) == 1
-    assert c.decode[0].requests[-1]["kv_transfer_params"]["remote_engine_id"] == "fake"
+    assert c.decode[0].requests[-1]["kv_transfer_params"]["pd_prefill_addr"] == "127.0.0.1:7601"
     c.prefill[1].fail_status = 500
     c.state.balancer.prefill.workers[1].outstanding_tokens = 0
     r = await c.router.post(

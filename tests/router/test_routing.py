@@ -5,6 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from pd_connector import wire
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import events, normalized, payloads, text_of
 
@@ -95,8 +96,10 @@ async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
     )
     assert r.status == 200
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
-    assert p["kv_transfer_params"]["do_remote_decode"] is True and p["max_tokens"] == 1
-    assert d["kv_transfer_params"] == {"remote_engine_id": "fake", "remote_block_ids": [0]}
+    assert p["kv_transfer_params"] == wire.encode(wire.StandardPrefill()) and p["max_tokens"] == 1
+    returned = wire.parse_params(d["kv_transfer_params"])
+    assert isinstance(returned, wire.PrefillReturned) and returned.pd_prefill_addr == "127.0.0.1:7600"
+    assert d["kv_transfer_params"] == wire.encode(returned)
 
 
 async def test_sglang_bootstrap_fields_on_both_legs(make_cluster) -> None:

@@ -61,18 +61,7 @@ def test_completion_continuation_appends_text_and_reduces_max_tokens() -> None:
     s = StreamState()
     s.observe(comp_chunk(" w2"))
     s.observe(comp_chunk(" w3"))
-    body = continuation(
-        parsed(
-            "completions",
-            {
-                "model": "m",
-                "prompt": "hello world",
-                "max_tokens": 8,
-                "kv_transfer_params": {"pd_transfer_id": "t"},
-            },
-        ),
-        s,
-    )
+    body = continuation(parsed("completions", {"model": "m", "prompt": "hello world", "max_tokens": 8}), s)
     assert body == {"model": "m", "prompt": "hello world w2 w3", "max_tokens": 6}
 
 
