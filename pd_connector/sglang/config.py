@@ -17,7 +17,9 @@ class SGLangBackendConfig:
     """``transport``: ``tcp`` (default), ``ucx``, ``cma`` (P and D on one host) or ``auto``. ``lease_s``: how long P keeps a request's
     pages for a decode side that has not asked for them, or that stopped acknowledging. Heartbeats on the
     control connection detect a dead peer within ``heartbeat_timeout_s``. ``secret``: shared HMAC key for the
-    control plane (unset: no authentication). ``connect_timeout_s``: D's connect + handshake with P.
+    control plane (unset: no authentication; then the side channel must be on loopback unless
+    ``allow_insecure``). ``allowed_prefill_addrs``/``allow_insecure``: D's peer policy (``pd_connector.trust``).
+    ``connect_timeout_s``: D's connect + handshake with P.
     ``drop_kv_rooms``: fault injection for tests (negative control): for these bootstrap rooms P writes only
     layer 0 of the KV, so D decodes the other layers from whatever its pages held. Empty in real use."""
 
@@ -28,6 +30,8 @@ class SGLangBackendConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     secret: bytes | None = None
+    allowed_prefill_addrs: tuple[str, ...] = ()
+    allow_insecure: bool = False
     drop_kv_rooms: frozenset[int] = frozenset()
 
     @classmethod
@@ -52,6 +56,12 @@ class SGLangBackendConfig:
         if transport not in ("tcp", "ucx", "cma", "auto"):
             raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx, cma or auto")
         secret = env.get("PD_SGLANG_SECRET")
+        insecure = env.get("PD_SGLANG_ALLOW_INSECURE", "0")
+        if insecure not in ("0", "1"):
+            raise ValueError(f"PD_SGLANG_ALLOW_INSECURE={insecure!r}: expected 0 or 1")
+        allowed = tuple(
+            a.strip() for a in env.get("PD_SGLANG_ALLOWED_PREFILL_ADDRS", "").split(",") if a.strip()
+        )
         drop = env.get("PD_SGLANG_FAULT_DROP_KV_ROOMS", "")
         try:
             drop_kv_rooms = frozenset(int(r) for r in drop.split(",") if r.strip())
@@ -67,5 +77,7 @@ class SGLangBackendConfig:
             heartbeat_interval_s=number("PD_SGLANG_HEARTBEAT_INTERVAL_S", defaults.heartbeat_interval_s),
             heartbeat_timeout_s=number("PD_SGLANG_HEARTBEAT_TIMEOUT_S", defaults.heartbeat_timeout_s),
             secret=secret.encode() if secret else None,
+            allowed_prefill_addrs=allowed,
+            allow_insecure=insecure == "1",
             drop_kv_rooms=drop_kv_rooms,
         )

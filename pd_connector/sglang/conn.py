@@ -133,6 +133,8 @@ class PdKVManager(CommonKVManager):
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             secret=cfg.secret,
+            allowed_prefill_addrs=cfg.allowed_prefill_addrs,
+            allow_insecure=cfg.allow_insecure,
         )
         transport = create_transport(
             TransportConfig(kind=cfg.transport, tcp=TcpConfig(host=self.local_ip))  # type: ignore[arg-type]

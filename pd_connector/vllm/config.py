@@ -14,7 +14,9 @@ from typing import Any, cast
 
 from pd_connector.transfer import TransferConfig
 from pd_connector.transport.factory import TransportConfig, TransportKind
+from pd_connector.transport.host import advertised_host
 from pd_connector.transport.tcp import TcpConfig
+from pd_connector.trust import PeerPolicy
 
 TRANSPORTS = ("tcp", "ucx", "cma", "auto")
 
@@ -23,16 +25,20 @@ TRANSPORTS = ("tcp", "ucx", "cma", "auto")
 class PDConnectorConfig:
     """Settings of one PDConnector instance (seconds for every ``*_s``)."""
 
-    #: P: address the side-channel listener binds to (the router's ``bootstrap`` host for this P).
+    #: P: address the side-channel listener binds to. Not loopback -> a ``secret`` is required (protected mode).
     side_channel_host: str = "127.0.0.1"
     #: P: side-channel port; 0 lets the kernel pick one (then D cannot be told it: tests only).
     side_channel_port: int = 0
+    #: P: the host D dials (returned in ``kv_transfer_params``); default ``side_channel_host``, or this host's
+    #: default-route address when that is a wildcard (0.0.0.0).
+    side_channel_advertise_host: str = ""
     #: Data plane: "tcp" (dependency-free), "ucx" (ucxx: shared memory / RDMA), "cma" (P and D on one host:
     #: process_vm_writev), "auto" (ucx if installed, never cma).
     transport: str = "tcp"
     #: Address the TCP data listener binds to (D receives there; "0.0.0.0" across hosts).
     data_host: str = "127.0.0.1"
-    #: Address peers use to reach the TCP data listener (needed when ``data_host`` is 0.0.0.0).
+    #: Address peers use to reach the TCP data listener; default ``data_host``, or this host's default-route
+    #: address when that is a wildcard (0.0.0.0).
     data_advertise_host: str = ""
     #: D: how long a request may wait for its KV before ``kv_load_failure_policy`` applies.
     load_timeout_s: float = 30.0
@@ -45,11 +51,17 @@ class PDConnectorConfig:
     #: Control-connection heartbeat period and the silence after which a peer is declared dead.
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
-    #: Shared HMAC-SHA256 key for the control plane ("" disables authentication: trusted networks only).
+    #: Shared HMAC-SHA256 key for the control plane ("" disables authentication: loopback only, unless
+    #: ``allow_insecure``).
     secret: str = ""
+    #: D: the prefill side channels it may dial (``host``, ``host:port``, CIDR ``10.0.0.0/8[:port]``, IPv6 in
+    #: brackets; names compared as written). Empty: any with a ``secret``, loopback only without one.
+    allowed_prefill_addrs: tuple[str, ...] = ()
+    #: Lift protected mode: listen beyond loopback and dial any prefill with no secret (trusted networks only).
+    allow_insecure: bool = False
     #: Test only (P): honour ``"pd_test_corrupt": true`` in a request's kv_transfer_params by zeroing its KV
-    #: before it is pushed, so tests can prove D uses the transferred bytes. Requires P without prefix
-    #: caching (zeroed blocks must never be reused). Never enable in production.
+    #: before it is pushed, so tests can prove D uses the transferred bytes. The zeroed blocks stay in P's
+    #: (and D's) prefix cache for that prompt: use such prompts for nothing else. Never enable in production.
     test_allow_corruption: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +69,7 @@ class PDConnectorConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not 0 <= self.side_channel_port <= 65535:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+        self.peer_policy()  # a bad allow-list entry fails here, at start
         # TransferConfig validates the lifecycle settings (positive times, heartbeat ordering).
         self.transfer_config("check")
 
@@ -73,6 +86,9 @@ class PDConnectorConfig:
             kind = type(getattr(cls, key))
             if kind is bool:
                 ok = isinstance(raw, bool)
+            elif kind is tuple:
+                ok = isinstance(raw, list) and all(isinstance(v, str) for v in raw)
+                raw = tuple(raw) if ok else raw
             elif kind is float:
                 ok = isinstance(raw, (int, float)) and not isinstance(raw, bool)
                 raw = float(raw) if ok else raw
@@ -81,7 +97,9 @@ class PDConnectorConfig:
             else:
                 ok = isinstance(raw, str)
             if not ok:
-                raise ValueError(f"{key} must be of type {kind.__name__}, got {raw!r}")
+                what = "a list of strings" if kind is tuple else f"of type {kind.__name__}"
+                shown = "<hidden>" if key == "secret" else repr(raw)
+                raise ValueError(f"{key} must be {what}, got {shown}")
             values[key] = raw
         return cls(**values)
 
@@ -98,7 +116,20 @@ class PDConnectorConfig:
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             secret=self.secret.encode() or None,
+            advertise_host=self.side_channel_advertise_host or None,
+            allowed_prefill_addrs=self.allowed_prefill_addrs,
+            allow_insecure=self.allow_insecure,
         )
+
+    def peer_policy(self) -> PeerPolicy:
+        """Which prefill addresses D may dial (the scheduler side checks it before it plans a load)."""
+        return PeerPolicy(bool(self.secret), self.allowed_prefill_addrs, self.allow_insecure)
+
+    @property
+    def side_channel_addr(self) -> str:
+        """``host:port`` D dials for this P (what P returns in ``kv_transfer_params``)."""
+        host = advertised_host(self.side_channel_host, self.side_channel_advertise_host or None)
+        return f"[{host}]:{self.side_channel_port}" if ":" in host else f"{host}:{self.side_channel_port}"
 
     def transport_config(self) -> TransportConfig:
         return TransportConfig(

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pd_connector.vllm.compat import check_version
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
@@ -49,15 +50,23 @@ class PDConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
+        check_version()
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = self._kv_transfer_config
         self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
-            addr = f"{self._config.side_channel_host}:{self._config.side_channel_port}"
-            self._scheduler = SchedulerSide(block_size, addr, self._config.test_allow_corruption)
+            self._scheduler = SchedulerSide(
+                block_size,
+                self._config.side_channel_addr,
+                producer=transfer.is_kv_producer,
+                consumer=transfer.is_kv_consumer,
+                policy=self._config.peer_policy(),
+                allow_corruption=self._config.test_allow_corruption,
+            )
         else:
             if kv_cache_config is None:
                 raise ValueError("PDConnector worker needs the KV cache config")
@@ -116,17 +125,26 @@ class PDConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._meta() if self.has_connector_metadata() else None
         sending, recving, failed = self._work.transfer_results(meta)
+        self._work.take_failed_blocks()  # failed_recving reports them: vLLM must not see them twice
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The older interface (vLLM builds without ``get_transfer_results``): a failed load is finished
+        receiving, and its blocks go to ``get_block_ids_with_load_errors`` in the same step, so vLLM applies
+        its failure policy instead of decoding from blocks that never got their KV."""
         sending, recving, _ = self._work.transfer_results()
+        self._load_error_blocks |= self._work.take_failed_blocks()
         return sending or None, recving or None
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Worker: this interval's transfer stats. vLLM also asks the scheduler side, which has none."""
-        return self._worker.stats() if self._worker is not None else None
+        """This interval's stats: transfers (worker) or refused requests (scheduler); vLLM aggregates both."""
+        return self._worker.stats() if self._worker is not None else self._sched.stats()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -9,7 +9,16 @@ Decides per request what the connector does, from the request's ``kv_transfer_pa
   uncomputed tokens as external and asynchronous (``get_num_new_matched_tokens -> (n, True)``), so vLLM
   allocates the blocks and parks the request until the worker finished loading them. A load is attempted
   once; if it fails, vLLM's ``kv_load_failure_policy`` recomputes (or fails) the request.
-Never raises on bad parameters (that would kill the engine): it logs and serves the request locally.
+Only what this engine's ``kv_role`` allows: a consumer-only D never prefills for a remote decode (it would
+hold the blocks for a send that never comes), a producer-only P never loads; a decode request loads only from a
+prefill address the peer policy allows (``pd_connector.trust``); one transfer id serves one request at a time
+(``n > 1`` children and prompt lists share their parent's parameters: the first one transfers, the others
+are served locally). Anything refused is logged (request id and reason, never the values) and counted, and
+the request is served locally. Never raises on bad parameters: that would kill the engine.
+
+P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
+table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
+for (``Destinations.start_token`` onward) and fails any transfer that leaves a hole.
 """
 
 from __future__ import annotations
@@ -18,7 +27,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pd_connector import wire
+from pd_connector.trust import PeerPolicy
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
+from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -41,30 +53,13 @@ class DecodeRole:
     prefill_addr: str
 
 
-def classify(request_id: str, params: dict[str, Any] | None) -> PrefillRole | DecodeRole | None:
-    """What ``kv_transfer_params`` ask of this engine for a request (None: serve it locally)."""
-    if not params:
-        return None
-    role = params.get("pd_role")
-    transfer_id = params.get("pd_transfer_id")
-    if role == "prefill" or (role is None and params.get("do_remote_decode")):
-        return PrefillRole(
-            str(transfer_id) if transfer_id else request_id, params.get("pd_test_corrupt") is True
-        )
-    if role == "decode" or (role is None and params.get("do_remote_prefill")):
-        addr = params.get("pd_prefill_addr")
-        if not transfer_id or not isinstance(addr, str) or ":" not in addr:
-            logger.warning(
-                "PDConnector: request %s has decode params without pd_transfer_id/pd_prefill_addr "
-                "(%s); prefilling locally",
-                request_id,
-                params,
-            )
-            return None
-        return DecodeRole(str(transfer_id), addr)
-    if role is not None:
-        logger.warning("PDConnector: request %s has unknown pd_role %r; serving locally", request_id, role)
-    return None
+@dataclass
+class _Send:
+    """P: a request whose prompt we push; ``pushed`` is the prompt position the next step's push starts at."""
+
+    request: Request
+    role: PrefillRole
+    pushed: int = 0
 
 
 def _prompt_len(request: Request) -> int:
@@ -74,19 +69,74 @@ def _prompt_len(request: Request) -> int:
 class SchedulerSide:
     """Bookkeeping of transfers between scheduler steps; builds the worker's per-step metadata."""
 
-    def __init__(self, block_size: int, side_channel_addr: str, allow_corruption: bool = False) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        side_channel_addr: str,
+        *,
+        producer: bool = True,
+        consumer: bool = True,
+        policy: PeerPolicy | None = None,
+        allow_corruption: bool = False,
+    ) -> None:
         self._block_size = block_size
+        self._producer = producer
+        self._consumer = consumer
+        self._policy = policy or PeerPolicy(authenticated=False)
         self._allow_corruption = allow_corruption
         self._side_channel_addr = side_channel_addr
         self._kv_cache_manager: KVCacheManager | None = None
-        # P: requests whose prompt we push, by request id.
-        self._sends: dict[str, tuple[Request, PrefillRole]] = {}
-        # D: requests whose load was planned (never load twice), and those still loading.
+        # What each live request asked of us (None: served locally), decided once per request.
+        self._roles: dict[str, PrefillRole | DecodeRole | None] = {}
+        # P: requests whose prompt we push, by request id; transfer ids held by live requests.
+        self._sends: dict[str, _Send] = {}
+        self._send_ids: set[str] = set()
+        # D: transfer ids held by live requests; loads planned (never load twice), and those still loading.
+        self._recv_ids: dict[str, str] = {}
         self._load_planned: set[str] = set()
         self._loading: set[str] = set()
         self._pending_recvs: list[RecvSpec] = []
         self._pending_finished: list[FinishedSend] = []
         self._pending_aborts: list[str] = []
+        self._stats = StatsRecorder()  # refused requests, reported with the engine's stats
+
+    def classify(self, request: Request) -> PrefillRole | DecodeRole | None:
+        """What ``kv_transfer_params`` ask of this engine for ``request`` and may (None: serve it locally)."""
+        req_id = request.request_id
+        if req_id in self._roles:
+            return self._roles[req_id]
+        role: PrefillRole | DecodeRole | None = None
+        why = ""
+        try:
+            params = wire.parse_params(request.kv_transfer_params)
+        except wire.BadParams as e:
+            params, why = None, str(e)
+        if isinstance(params, (wire.PushPrefill, wire.StandardPrefill)):
+            tid = params.pd_transfer_id if isinstance(params, wire.PushPrefill) else req_id
+            if not self._producer:
+                why = "prefill parameters on a kv_consumer engine (it never sends KV)"
+            elif tid in self._send_ids:
+                why = "its transfer id is already in use by another request"
+            else:
+                corrupt = isinstance(params, wire.PushPrefill) and params.pd_test_corrupt
+                role = PrefillRole(tid, corrupt)
+                self._send_ids.add(tid)
+        elif isinstance(params, (wire.PushDecode, wire.PrefillReturned)):
+            refusal = self._policy.refusal(params.pd_prefill_addr)
+            if not self._consumer:
+                why = "decode parameters on a kv_producer engine (it never loads KV)"
+            elif refusal is not None:
+                why = refusal
+            elif params.pd_transfer_id in self._recv_ids:
+                why = "its transfer id is already in use by another request"
+            else:
+                role = DecodeRole(params.pd_transfer_id, params.pd_prefill_addr)
+                self._recv_ids[role.transfer_id] = req_id
+        if why:
+            self._stats.refused()
+            logger.warning("PDConnector: request %s served locally: %s", req_id, why)
+        self._roles[req_id] = role
+        return role
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -94,7 +144,7 @@ class SchedulerSide:
     # ---- vLLM scheduler hooks ----
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        role = classify(request.request_id, request.kv_transfer_params)
+        role = self.classify(request)
         if not isinstance(role, DecodeRole) or request.request_id in self._load_planned:
             return 0, False
         count = _prompt_len(request) - num_computed_tokens
@@ -103,23 +153,22 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        role = classify(request.request_id, request.kv_transfer_params)
+        req_id = request.request_id
+        role = self.classify(request)
         if isinstance(role, PrefillRole):
-            self._sends.setdefault(request.request_id, (request, role))
+            self._sends.setdefault(req_id, _Send(request, role))
         elif isinstance(role, DecodeRole) and num_external_tokens > 0:
-            if request.request_id in self._load_planned:
+            if req_id in self._load_planned:
                 return
             prompt_len = _prompt_len(request)
             local_tokens = prompt_len - num_external_tokens
             if local_tokens % self._block_size:
-                logger.warning(
-                    "PDConnector: %s has %d local tokens, not block aligned", request.request_id, local_tokens
-                )
-            self._load_planned.add(request.request_id)
-            self._loading.add(request.request_id)
+                logger.warning("PDConnector: %s has %d local tokens, not block aligned", req_id, local_tokens)
+            self._load_planned.add(req_id)
+            self._loading.add(req_id)
             self._pending_recvs.append(
                 RecvSpec(
-                    req_id=request.request_id,
+                    req_id=req_id,
                     transfer_id=role.transfer_id,
                     prefill_addr=role.prefill_addr,
                     block_ids=list(blocks.get_block_ids()[0]),
@@ -131,26 +180,28 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PDConnectorMetadata:
         sends: list[SendSpec] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            tracked = self._sends.get(req_id)
-            if tracked is None:
+            send = self._sends.get(req_id)
+            if send is None:
                 continue
-            request, role = tracked
+            request, role = send.request, send.role
             prompt_len = _prompt_len(request)
-            # Called before vLLM advances num_computed_tokens: it is where this step starts.
-            start = request.num_computed_tokens
-            if start >= prompt_len:
+            # Called before vLLM advances num_computed_tokens: this step computes up to ``end``. The push starts
+            # where the last one ended (token 0 at first: P's prefix-cache hit must reach D too).
+            end = min(request.num_computed_tokens + num_tokens, prompt_len)
+            if end <= send.pushed:
                 continue
             sends.append(
                 SendSpec(
                     req_id=req_id,
                     transfer_id=role.transfer_id,
                     block_ids=list(self._block_ids(req_id)),
-                    start_token=start,
-                    end_token=min(start + num_tokens, prompt_len),
+                    start_token=send.pushed,
+                    end_token=end,
                     prompt_len=prompt_len,
                     corrupt=role.corrupt and self._allow_corruption,
                 )
             )
+            send.pushed = end
         meta = PDConnectorMetadata(
             sends=sends,
             recvs=self._pending_recvs,
@@ -168,32 +219,32 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
+        role = self._roles.pop(req_id, None)
         self._load_planned.discard(req_id)
+        if isinstance(role, DecodeRole):
+            del self._recv_ids[role.transfer_id]
+        elif isinstance(role, PrefillRole):
+            self._send_ids.discard(role.transfer_id)
         if req_id in self._loading:
             # D aborted while loading: vLLM keeps the blocks until the worker reports the load finished.
             self._loading.discard(req_id)
             self._pending_aborts.append(req_id)
             return False, None
-        tracked = self._sends.pop(req_id, None)
-        if tracked is None:
+        send = self._sends.pop(req_id, None)
+        if send is None:
             return False, None
-        transfer_id = tracked[1].transfer_id
+        transfer_id = send.role.transfer_id
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         delay = bool(block_ids)
         self._pending_finished.append(FinishedSend(req_id=req_id, ok=ok, report=delay))
         if not ok:
             return delay, None
         # What a D needs to pull this prefill through vLLM's standard P-then-D flow.
-        return delay, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "pd_transfer_id": transfer_id,
-            "pd_prefill_addr": self._side_channel_addr,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        return delay, wire.encode(wire.PrefillReturned(transfer_id, self._side_channel_addr))
+
+    def stats(self) -> PDConnectorStats | None:
+        """This interval's refusals (vLLM aggregates the scheduler's stats with the workers')."""
+        return self._stats.drain()
 
     def has_pending_work(self) -> bool:
         return bool(self._pending_finished or self._pending_aborts or self._pending_recvs)

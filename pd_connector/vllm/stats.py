@@ -1,4 +1,5 @@
-"""Transfer statistics: collected by the worker, aggregated by vLLM, exported on its Prometheus endpoint.
+"""Transfer statistics: collected by the worker (and the scheduler side: refused requests), aggregated by
+vLLM, exported on its Prometheus endpoint.
 
 Worker threads record into a ``StatsRecorder`` (thread-safe); each engine step vLLM asks the worker-side
 connector for ``get_kv_connector_stats()``, which drains the recorder into a ``PDConnectorStats`` (a plain
@@ -28,6 +29,7 @@ COUNTERS = (
     "failures",
     "expired_leases",
     "write_seconds",
+    "refused_requests",
 )
 SERIES = ("transfer_s", "exposed_s", "load_s")
 
@@ -94,6 +96,11 @@ class StatsRecorder:
         with self._lock:
             self._data["write_seconds"] += seconds
 
+    def refused(self) -> None:
+        """Scheduler: a request's transfer parameters were refused (bad, wrong role, peer not allowed)."""
+        with self._lock:
+            self._data["refused_requests"] += 1
+
     def expired_lease(self) -> None:
         with self._lock:
             self._data["expired_leases"] += 1
@@ -113,6 +120,8 @@ _COUNTER_HELP = {
     "failures": "Transfers that failed (peer died, timeout, refused).",
     "expired_leases": "P transfers whose lease expired (D never came or stalled; blocks freed).",
     "write_seconds": "P: seconds spent writing layers to decode nodes (summed over writes).",
+    "refused_requests": "Requests whose kv_transfer_params were refused and served locally (malformed, a role "
+    "this node does not play, a prefill address not allowed, a transfer id in use).",
 }
 _HISTOGRAM_HELP = {
     "transfer_s": "P: seconds from the first offer (start of the prefill) until every write landed and Done was sent.",

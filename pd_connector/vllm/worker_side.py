@@ -101,6 +101,10 @@ class WorkerSide:
         self._recv_req: dict[str, str] = {}
         self._recv_failed_at_start: set[str] = set()
         self._recv_aborted: set[str] = set()  # D's scheduler aborted these requests itself
+        # D: the blocks each load writes (for vLLM builds that learn failures as block ids), and those of
+        # loads that failed since the last ``take_failed_blocks``.
+        self._recv_blocks: dict[str, list[int]] = {}
+        self._failed_blocks: set[int] = set()
 
     # ---- start-up ----
 
@@ -178,9 +182,17 @@ class WorkerSide:
     # ---- D ----
 
     def start_load_kv(self, meta: PDConnectorMetadata) -> None:
-        if (meta.recvs or meta.aborted_recvs) and not self._consumer:
-            raise RuntimeError("PDConnector: loads scheduled on a worker without the consumer role")
+        """Expect each load the scheduler planned; one that cannot start fails (vLLM's failure policy then
+        applies to that request) and never raises: an exception here would kill the engine."""
         for spec in meta.recvs:
+            self._recv_blocks[spec.req_id] = spec.block_ids[spec.start_block :]
+            if not self._consumer:
+                logger.error(
+                    "PDConnector: load of %s planned on a worker without the consumer role", spec.req_id
+                )
+                self._stats.failure()
+                self._recv_failed_at_start.add(spec.req_id)
+                continue
             try:
                 self._eng.expect(
                     spec.transfer_id,
@@ -241,12 +253,21 @@ class WorkerSide:
                             result.reason,
                         )
                         failed.add(req_id)
+        for req_id in recving:
+            blocks = self._recv_blocks.pop(req_id, [])
+            if req_id in failed:
+                self._failed_blocks.update(blocks)
         sending: set[str] = set()
         for req_id in [r for r in self._send_finished if r in self._send_ended]:
             del self._send_ended[req_id]
             if self._send_finished.pop(req_id):
                 sending.add(req_id)
         return sending, recving, failed
+
+    def take_failed_blocks(self) -> set[int]:
+        """D block ids of loads reported failed since the last call (they hold no valid KV)."""
+        blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
 
     def _record(self, result: TransferResult) -> None:
         if result.state is TransferState.DONE:

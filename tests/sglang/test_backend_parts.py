@@ -74,6 +74,12 @@ def test_config_from_env_parses_and_rejects_bad_values():
         SGLangBackendConfig.from_env({"PD_SGLANG_TRANSPORT": "rdma"})
     with pytest.raises(ValueError, match="PD_SGLANG_HEARTBEAT_TIMEOUT_S"):
         SGLangBackendConfig.from_env({"PD_SGLANG_HEARTBEAT_TIMEOUT_S": "soon"})
+    policy = SGLangBackendConfig.from_env(
+        {"PD_SGLANG_ALLOW_INSECURE": "1", "PD_SGLANG_ALLOWED_PREFILL_ADDRS": "10.0.0.0/8, p0:7600"}
+    )
+    assert policy.allow_insecure and policy.allowed_prefill_addrs == ("10.0.0.0/8", "p0:7600")
+    with pytest.raises(ValueError, match="PD_SGLANG_ALLOW_INSECURE"):
+        SGLangBackendConfig.from_env({"PD_SGLANG_ALLOW_INSECURE": "yes"})
 
 
 def test_resolve_dtype():

@@ -9,8 +9,9 @@ import msgspec
 import pytest
 from vllm.v1.request import RequestStatus
 
+from pd_connector.trust import PeerPolicy
 from pd_connector.vllm.metadata import FinishedSend, RecvSpec, SendSpec
-from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerSide, classify
+from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerSide
 
 pytestmark = pytest.mark.unit
 
@@ -56,24 +57,99 @@ def decode_params(transfer_id: str = "t1") -> dict[str, Any]:
     return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": ADDR}
 
 
-def make_side() -> tuple[SchedulerSide, FakeManager]:
-    side = SchedulerSide(BS, ADDR)
+def make_side(**kwargs: Any) -> tuple[SchedulerSide, FakeManager]:
+    """A kv_both side whose peers prove a shared secret (so it may dial ADDR), unless ``kwargs`` say else."""
+    side = SchedulerSide(BS, ADDR, **{"policy": PeerPolicy(authenticated=True), **kwargs})
     manager = FakeManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     return side, manager
 
 
-def test_classify_roles_and_bad_params() -> None:
-    assert classify("r", None) is None
-    assert classify("r", {"pd_role": "prefill", "pd_transfer_id": "T"}) == PrefillRole("T")
-    assert classify("r", {"do_remote_decode": True}) == PrefillRole("r")
-    assert classify("r", decode_params("T")) == DecodeRole("T", ADDR)
-    std = {"do_remote_prefill": True, "pd_transfer_id": "T", "pd_prefill_addr": ADDR}
-    assert classify("r", std) == DecodeRole("T", ADDR)
-    # Missing address or unknown role: served locally, never an exception inside the engine.
-    assert classify("r", {"pd_role": "decode", "pd_transfer_id": "T"}) is None
-    assert classify("r", {"pd_role": "middle"}) is None
-    assert classify("r", {"do_remote_prefill": True}) is None
+def refused(side: SchedulerSide) -> int:
+    stats = side.stats()
+    return 0 if stats is None else int(stats.data["refused_requests"])
+
+
+def classify(params: Any, req_id: str = "r", **kwargs: Any) -> PrefillRole | DecodeRole | None:
+    side, _ = make_side(**kwargs)
+    return side.classify(FakeRequest(req_id, params, [1, 2, 3]))  # type: ignore[arg-type]
+
+
+def test_classify_roles() -> None:
+    assert classify(None) is None
+    assert classify({}) is None
+    assert classify({"pd_role": "prefill", "pd_transfer_id": "T"}) == PrefillRole("T")
+    assert classify({"do_remote_decode": True}) == PrefillRole("r")
+    assert classify(decode_params("T")) == DecodeRole("T", ADDR)
+    std = {"do_remote_prefill": True, "pd_transfer_id": "T", "pd_prefill_addr": ADDR, "remote_host": "x"}
+    assert classify(std) == DecodeRole("T", ADDR)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"pd_role": "decode", "pd_transfer_id": "T"},  # no address
+        {"pd_role": "decode", "pd_transfer_id": "T", "pd_prefill_addr": "no-port"},
+        {"pd_role": "decode", "pd_transfer_id": ["T"], "pd_prefill_addr": ADDR},
+        {"pd_role": "decode", "pd_transfer_id": "x" * 500, "pd_prefill_addr": ADDR},
+        {"pd_role": "middle"},
+        {"pd_role": "prefill"},  # no transfer id
+        {"do_remote_prefill": True},
+        "do_remote_decode",
+        [1, 2],
+    ],
+)
+def test_bad_params_are_served_locally_and_counted(params: Any) -> None:
+    """Never an exception inside the engine: the request prefills locally and the refusal is counted."""
+    side, _ = make_side()
+    assert side.classify(FakeRequest("r", params, [1, 2, 3])) is None  # type: ignore[arg-type]
+    assert refused(side) == 1
+
+
+def test_roles_the_engine_does_not_play_are_refused() -> None:
+    """A consumer-only D never holds blocks for a send (a client's do_remote_decode would leak them), and a
+    producer-only P never plans a load (it would crash its worker)."""
+    for prefill in ({"do_remote_decode": True}, {"pd_role": "prefill", "pd_transfer_id": "T"}):
+        side, _ = make_side(producer=False)
+        req = FakeRequest("d1", prefill, list(range(40)))
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+        side.update_state_after_alloc(req, FakeBlocks([1, 2]), 0)  # type: ignore[arg-type]
+        assert side.build_connector_meta(FakeOutput({"d1": 40})).sends == []  # type: ignore[arg-type]
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        assert side.request_finished(req, [1, 2]) == (False, None), "blocks freed at once"  # type: ignore[arg-type]
+        assert refused(side) == 1
+    side, _ = make_side(consumer=False)
+    req = FakeRequest("p1", decode_params(), list(range(40)))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    assert side.build_connector_meta(FakeOutput({})).recvs == []  # type: ignore[arg-type]
+    assert refused(side) == 1
+
+
+def test_prefill_addresses_follow_the_peer_policy() -> None:
+    """Without a secret D dials loopback only; an allow-list narrows what it dials either way."""
+    remote = {"pd_role": "decode", "pd_transfer_id": "T", "pd_prefill_addr": "10.9.9.9:7600"}
+    local = {**remote, "pd_prefill_addr": "127.0.0.1:7600"}
+    open_policy = PeerPolicy(authenticated=False)
+    assert classify(remote, policy=open_policy) is None
+    assert classify(local, policy=open_policy) == DecodeRole("T", "127.0.0.1:7600")
+    listed = PeerPolicy(authenticated=True, allowed_prefill_addrs=("10.9.0.0/16:7600",))
+    assert classify(remote, policy=listed) == DecodeRole("T", "10.9.9.9:7600")
+    assert classify({**remote, "pd_prefill_addr": "10.9.9.9:22"}, policy=listed) is None
+    assert classify(local, policy=listed) is None
+
+
+def test_one_transfer_id_serves_one_live_request() -> None:
+    """n > 1 children share their parent's params: the first transfers, the rest are served locally, and
+    the id is free again once its request finished."""
+    for params in ({"pd_role": "prefill", "pd_transfer_id": "T"}, decode_params("T")):
+        side, _ = make_side()
+        first, second = (FakeRequest(r, params, list(range(40))) for r in ("0_r", "1_r"))
+        assert side.classify(first) is not None  # type: ignore[arg-type]
+        assert side.classify(second) is None  # type: ignore[arg-type]
+        first.status = second.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        side.request_finished(second, [])  # type: ignore[arg-type]
+        side.request_finished(first, [])  # type: ignore[arg-type]
+        assert side.classify(FakeRequest("2_r", params, [1])) is not None  # type: ignore[arg-type]
 
 
 def test_decode_reports_async_external_tokens_once() -> None:
@@ -148,6 +224,18 @@ def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
     meta = side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
     assert meta.finished_sends == [FinishedSend("p1", ok=True, report=True)]
     assert side.build_connector_meta(FakeOutput({})).finished_sends == []  # type: ignore[arg-type]
+
+
+def test_prefill_pushes_its_own_prefix_cache_hit_too() -> None:
+    """P's scheduler starts a request at its local prefix-cache hit; D may not hold those tokens, so the
+    first push starts at token 0 (the transfer engine sends what D asked for)."""
+    side, manager = make_side()
+    req = FakeRequest("p1", {"pd_role": "prefill", "pd_transfer_id": "T"}, list(range(150)))
+    side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
+    manager.blocks["p1"] = [9, 8, 7, 6, 5]
+    req.num_computed_tokens = 128  # four blocks came from P's prefix cache
+    (spec,) = side.build_connector_meta(FakeOutput({"p1": 22})).sends  # type: ignore[arg-type]
+    assert (spec.start_token, spec.end_token, spec.completes_prompt) == (0, 150, True)
 
 
 def test_prefill_abort_is_reported_not_ok() -> None:

@@ -173,6 +173,29 @@ def test_unreachable_prefill_fails_fast(make_pair: Callable[..., Pair]) -> None:
     assert pair.failed == {"d1"}
 
 
+def test_failed_loads_name_their_blocks_once(make_pair: Callable[..., Pair]) -> None:
+    """What vLLM builds that call get_finished learn instead of failed_recving: the blocks the load was to
+    write (not those D already had), once."""
+    pair = make_pair()
+    pair.d_step([RecvSpec("d1", "T", "127.0.0.1:1", [4, 5, 6], start_block=1, num_tokens=90)])
+    pair.d_step([RecvSpec("d2", "U", "127.0.0.1:1", [7], start_block=0, num_tokens=10)])
+    pair.wait(lambda: {"d1", "d2"} <= pair.recv)
+    assert pair.d.take_failed_blocks() == {5, 6, 7}
+    assert pair.d.take_failed_blocks() == set()
+
+
+def test_loads_on_a_worker_without_the_consumer_role_fail_instead_of_raising() -> None:
+    """A producer-only worker never raises out of start_load_kv (that killed the engine): the load fails."""
+    worker = WorkerSide(PDConnectorConfig(), "p", BS, NUM_BLOCKS, producer=True, consumer=False)
+    worker.register_kv_caches(kv(False))
+    try:
+        worker.start_load_kv(PDConnectorMetadata(recvs=[RecvSpec("d1", "T", "127.0.0.1:1", [2], 0, 10)]))
+        assert worker.transfer_results() == (set(), {"d1"}, {"d1"})
+        assert worker.take_failed_blocks() == {2}
+    finally:
+        worker.shutdown()
+
+
 def test_wrong_secret_is_refused(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(p=PDConnectorConfig(secret="a"), d=PDConnectorConfig(secret="b", load_timeout_s=2))
     pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)])
