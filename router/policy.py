@@ -35,11 +35,14 @@ class PolicyInput(msgspec.Struct, frozen=True):
     prompt_tokens: int
     prefill: PoolLoad
     decode: PoolLoad
+    # False for a request the engine runs as several sequences (``Parsed.fan_out``): it cannot go P->D.
+    one_sequence: bool = True
 
 
 class Decision(msgspec.Struct, frozen=True):
     route: Route
-    # Why, for metrics and logs: short | long | prefill_saturated | no_prefill | decode_saturated | no_decode.
+    # Why, for metrics and logs: short | long | fan_out | prefill_saturated | no_prefill | decode_saturated |
+    # no_decode.
     reason: str
 
 
@@ -51,6 +54,8 @@ class ThresholdPolicy:
     """Length threshold with a load-aware override.
 
     - No usable D, or every D at ``decode_max_active``: WAIT (queue; the caller times out with 429).
+    - Several sequences (``n`` > 1, a prompt list, beam search): LOCAL. The P/D legs carry one transfer id;
+      vLLM would give each sequence its own engine request with that same id, so their KV would collide.
     - Prompt shorter than ``threshold_tokens``: LOCAL (a short prefill is cheap to piggyback on decode).
     - No healthy P: LOCAL (D prefills itself rather than failing).
     - Every P at ``prefill_saturated_tokens`` and the least loaded D below ``decode_headroom_fraction`` of its
@@ -67,6 +72,8 @@ class ThresholdPolicy:
             return Decision(Route.WAIT, "no_decode")
         if inp.decode.min_active >= cfg.decode_max_active:
             return Decision(Route.WAIT, "decode_saturated")
+        if not inp.one_sequence:
+            return Decision(Route.LOCAL, "fan_out")
         if inp.prompt_tokens < cfg.threshold_tokens:
             return Decision(Route.LOCAL, "short")
         if inp.prefill.workers == 0:

@@ -121,7 +121,9 @@ class Proxy:
             while True:
                 b = self.balancer
                 decision = self.policy.decide(
-                    PolicyInput(parsed.prompt_tokens, b.prefill.load(), b.decode.load())
+                    PolicyInput(
+                        parsed.prompt_tokens, b.prefill.load(), b.decode.load(), parsed.fan_out is None
+                    )
                 )
                 if decision.route is not Route.WAIT:
                     return decision

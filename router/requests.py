@@ -68,6 +68,9 @@ class Parsed(msgspec.Struct):
     resumable: bool
     recount: Callable[[], Awaitable[int]] | None = None
     dropped: frozenset[str] = frozenset()
+    # The parameter that makes the engine run several sequences (``n``, a prompt list, ``use_beam_search``),
+    # None for one. P/D legs carry one transfer id, which several sequences cannot share (docs/router.md).
+    fan_out: str | None = None
 
     async def exact_prompt_tokens(self) -> int:
         """The prompt's real token count (what a resumed stream reports in its usage)."""
@@ -109,6 +112,18 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         "prompt must be a non-empty string, list of strings, list of token ids or list of token id lists",
         "prompt",
     )
+
+
+def _fan_out(n: int, prompts: int, body: dict[str, Any]) -> str | None:
+    """Which parameter makes this request several engine sequences (each a request of its own in vLLM)."""
+    if n > 1:
+        return "n"
+    if prompts > 1:
+        return "prompt"
+    # vLLM's beam search runs each beam step as a new request without the client's kv_transfer_params.
+    if body.get("use_beam_search"):
+        return "use_beam_search"
+    return None
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -205,6 +220,23 @@ async def parse(
         )
         prompts, special = [text], False  # the template writes the special tokens
         resumable = req.n == 1
+    fan_out = _fan_out(req.n, len(prompts), body)
+
+    def parsed(prompt_tokens: int, recount: Callable[[], Awaitable[int]] | None = None) -> Parsed:
+        resumable_stream = resumable and req.stream
+        return Parsed(
+            kind,
+            body,
+            raw,
+            prompt_tokens,
+            max_tokens,
+            req.stream,
+            resumable_stream,
+            recount,
+            dropped,
+            fan_out,
+        )
+
     bounds = _bounds(prompts, tokenizer, special, count_from)
     if bounds is not None and _fits(max(bounds), max_tokens, max_model_len):
         counted: list[int] = []  # the exact count, once taken (each resume of the stream asks again)
@@ -214,9 +246,7 @@ async def parse(
                 counted.append(sum(await _lengths(prompts, tokenizer, special)))
             return counted[0]
 
-        return Parsed(
-            kind, body, raw, sum(bounds), max_tokens, req.stream, resumable and req.stream, recount, dropped
-        )
+        return parsed(sum(bounds), recount)
     lengths = await _lengths(prompts, tokenizer, special)
     longest = max(lengths)
     if not _fits(longest, max_tokens, max_model_len):
@@ -226,6 +256,4 @@ async def parse(
             "prompt or max_tokens.",
             "input_tokens",
         )
-    return Parsed(
-        kind, body, raw, sum(lengths), max_tokens, req.stream, resumable and req.stream, dropped=dropped
-    )
+    return parsed(sum(lengths))

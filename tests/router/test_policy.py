@@ -17,14 +17,20 @@ P_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 D_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 
 
-def decide(tokens: int, prefill: PoolLoad = P_IDLE, decode: PoolLoad = D_IDLE):
-    return ThresholdPolicy(CFG).decide(PolicyInput(tokens, prefill, decode))
+def decide(tokens: int, prefill: PoolLoad = P_IDLE, decode: PoolLoad = D_IDLE, one_sequence: bool = True):
+    return ThresholdPolicy(CFG).decide(PolicyInput(tokens, prefill, decode, one_sequence))
 
 
 def test_threshold_boundary() -> None:
     assert decide(99).route is Route.LOCAL and decide(99).reason == "short"
     assert decide(100).route is Route.DISAGG and decide(100).reason == "long"
     assert decide(0).route is Route.LOCAL
+
+
+def test_several_sequences_stay_local_whatever_the_length() -> None:
+    d = decide(5000, one_sequence=False)
+    assert (d.route, d.reason) == (Route.LOCAL, "fan_out")
+    assert decide(5000, decode=PoolLoad(2, 0, 10), one_sequence=False).route is Route.WAIT
 
 
 def test_no_prefill_worker_means_local_prefill() -> None:
@@ -51,10 +57,11 @@ def test_saturated_decode_waits() -> None:
     tokens=st.integers(0, 10**6),
     p=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
     d=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
+    one=st.booleans(),
 )
-def test_policy_is_total_and_never_sends_long_prompts_to_a_missing_pool(tokens, p, d) -> None:
-    decision = decide(tokens, p, d)
+def test_policy_is_total_and_never_sends_long_prompts_to_a_missing_pool(tokens, p, d, one) -> None:
+    decision = decide(tokens, p, d, one)
     if decision.route is Route.DISAGG:
-        assert p.workers > 0 and tokens >= CFG.threshold_tokens
+        assert p.workers > 0 and tokens >= CFG.threshold_tokens and one
     if d.workers == 0:
         assert decision.route is Route.WAIT

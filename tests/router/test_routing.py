@@ -78,6 +78,34 @@ async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_clu
     assert 'pd_router_requests_total{endpoint="/v1/completions",reason="long",route="disagg"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard"])
+@pytest.mark.parametrize(
+    ("path", "fan_out"),
+    [
+        ("/v1/completions", {"n": 2}),
+        ("/v1/completions", {"prompt": [long_prompt(), long_prompt() + " again"]}),
+        ("/v1/completions", {"prompt": [[1] * 64, [2] * 64]}),
+        ("/v1/completions", {"use_beam_search": True}),
+        ("/v1/chat/completions", {"n": 3}),
+    ],
+)
+async def test_several_sequences_go_local(make_cluster, flow: str, path: str, fan_out: dict) -> None:
+    """n > 1, a prompt list or beam search would share one transfer id on P/D: D prefills them itself."""
+    c = await make_cluster(n_decode=1, flow=flow)
+    body: dict = {"model": MODEL, "max_tokens": 2}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": long_prompt()}]
+    else:
+        body["prompt"] = long_prompt()
+    body.update(fan_out)
+    r = await c.router.post(path, json=body)
+    assert r.status == 200, await r.text()
+    assert r.headers["X-PD-Route"] == "local"
+    assert c.prefill[0].requests == [] and c.decode[0].requests == [body]
+    metrics = await (await c.router.get("/metrics")).text()
+    assert f'pd_router_requests_total{{endpoint="{path}",reason="fan_out",route="local"}} 1.0' in metrics
+
+
 async def test_chat_max_completion_tokens_is_one_on_prefill(make_cluster) -> None:
     c = await make_cluster(n_decode=1)
     msgs = [{"role": "user", "content": long_prompt()}]
