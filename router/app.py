@@ -30,7 +30,7 @@ from router.http1 import Pool
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
-from router.requests import Kind, decode_json, parse
+from router.requests import Kind, check_media_type, decode_json, parse
 from router.tokenize import PromptTokenizer
 from router.upstream import check_health
 
@@ -156,13 +156,17 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
-async def complete(state: RouterState, path: str, raw: bytes, client: Downstream) -> Reply | None:
+async def complete(
+    state: RouterState, path: str, content_type: str, raw: bytes, client: Downstream
+) -> Reply | None:
     """Serve a completion or chat request (``path`` in ``COMPLETIONS``) whose body is ``raw``.
 
-    Returns the reply, or None when the response went out as a stream to ``client``. Raises ``ApiError``.
+    ``content_type`` is the request's Content-Type header ("" when absent). Returns the reply, or None when
+    the response went out as a stream to ``client``. Raises ``ApiError``.
     """
     assert state.proxy is not None
     cfg = state.cfg
+    check_media_type(content_type)
     parsed = await parse(
         COMPLETIONS[path],
         raw,
@@ -213,7 +217,8 @@ def _completions_handler(path: str) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         state = request.app[STATE]
         client = _AiohttpStream(request)
-        reply = await complete(state, path, await _read_body(request), client)
+        content_type = request.headers.get("Content-Type", "")
+        reply = await complete(state, path, content_type, await _read_body(request), client)
         if reply is not None:
             return aiohttp_response(reply)
         assert client.response is not None

@@ -31,6 +31,7 @@ _TYPES = {
     405: "MethodNotAllowedError",
     409: "ConflictError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",

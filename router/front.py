@@ -82,6 +82,7 @@ class _Request:
     """One parsed request (``reject``: the error to answer instead of serving it)."""
 
     path: str
+    content_type: str
     body: bytes
     authorization: str
     keep_alive: bool
@@ -219,6 +220,7 @@ class _Connection(asyncio.Protocol):
 
     def _message_reset(self) -> None:
         self._url = b""
+        self._content_type = ""
         self._authorization = ""
         self._expect = False
         self._body: list[bytes] = []
@@ -237,6 +239,8 @@ class _Connection(asyncio.Protocol):
         key = name.lower()
         if key == b"authorization":
             self._authorization = value.decode("latin-1")
+        elif key == b"content-type":
+            self._content_type = value.decode("latin-1")
         elif key == b"expect":
             self._expect = value.lower() == b"100-continue"
         elif key == b"content-length" and value.isdigit() and int(value) > self.front.max_body:
@@ -270,6 +274,7 @@ class _Connection(asyncio.Protocol):
         self._queue.append(
             _Request(
                 self._path(),
+                self._content_type,
                 b"".join(self._body),
                 self._authorization,
                 self._parser.should_keep_alive() and self._reject is None,
@@ -312,7 +317,7 @@ class _Connection(asyncio.Protocol):
                     "POST",
                     request.path,
                     request.authorization,
-                    lambda: complete(front.state, request.path, request.body, stream),
+                    lambda: complete(front.state, request.path, request.content_type, request.body, stream),
                 )
             status = 200 if answer is None else answer.status
             front.state.metrics.responses_for(_endpoint(request.path), str(status)).inc()

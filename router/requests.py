@@ -126,11 +126,49 @@ def _fan_out(n: int, prompts: int, body: dict[str, Any]) -> str | None:
     return None
 
 
+#: How deeply a request body may nest arrays and objects. msgspec decodes and encodes recursively, within
+#: Python's recursion limit (1000) less the stack in use, so without a fixed bound a body nested ~950 deep
+#: would decode here and then fail to encode deeper in the stack (a P/D leg): a 500 instead of a 400.
+MAX_JSON_DEPTH = 256
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests arrays/objects more than ``limit`` levels (level by level: no recursion)."""
+    level = [value]
+    for _ in range(limit):
+        level = [
+            child
+            for v in level
+            for child in (v.values() if isinstance(v, dict) else v)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+def check_media_type(content_type: str) -> None:
+    """Refuse a completion body not declared as JSON (``content_type``: the header, "" when absent).
+
+    As vLLM's ``validate_json_request``: the media type, parameters aside, must be ``application/json``, and
+    a request without Content-Type is refused too, so what the router accepts its workers accept.
+    """
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, "Unsupported Media Type: Only 'application/json' is allowed")
+
+
 def decode_json(raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``, or a 400 (not JSON, not an object, nested deeper than MAX_JSON_DEPTH)."""
+    too_deep = f"request body is nested more than {MAX_JSON_DEPTH} levels deep"
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # deeper than the interpreter allows, which is deeper than the limit
+        raise bad_request(too_deep) from None
+    # Cheap first: a body with fewer brackets than the limit cannot nest deeper than it.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        raise bad_request(too_deep)
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     return body

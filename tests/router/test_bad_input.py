@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.router.conftest import MODEL
+from router.requests import MAX_JSON_DEPTH
+from tests.router.conftest import MODEL, long_prompt
 
 pytestmark = pytest.mark.unit
 
@@ -46,6 +48,93 @@ async def test_bad_completion_requests(make_cluster, body: bytes, status: int, p
     resp = await c.router.post("/v1/completions", data=body, headers={"content-type": "application/json"})
     await _error(resp, status, param)
     assert c.decode[0].requests == []  # nothing reached an engine
+
+
+def _nested(depth: int) -> bytes:
+    """A completion body whose ``x`` field makes it ``depth`` levels deep (the body itself is one)."""
+    levels = depth - 1
+    return b'{"model": "fake-model", "prompt": "a", "max_tokens": 1, "x": %b%b}' % (
+        b"[" * levels,
+        b"]" * levels,
+    )
+
+
+async def _still_serves(c) -> None:
+    r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+    assert r.status == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 5000 + b"]" * 5000,  # deeper than msgspec can decode within Python's recursion limit
+        b"[" * 5000,
+        _nested(5000),
+        _nested(950),  # decodes, but would not re-encode for a leg deeper in the stack
+        _nested(MAX_JSON_DEPTH + 1),
+        b'{"model": "fake-model", "prompt": "a", "x": %b}' % (b'{"a":' * 300 + b"1" + b"}" * 300),
+    ],
+)
+async def test_deeply_nested_bodies_get_400(make_cluster, body: bytes) -> None:
+    c = await make_cluster(n_decode=1)
+    resp = await c.router.post("/v1/completions", data=body, headers={"content-type": "application/json"})
+    assert "nested" in await _error(resp, 400)
+    assert c.decode[0].requests == []
+    await _still_serves(c)
+
+
+@pytest.mark.parametrize("prompt", ["a", long_prompt()])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_body_nested_to_the_limit_is_served(make_cluster, prompt: str, stream: bool) -> None:
+    """Local and P/D legs, with a transfer field to drop: every re-encoding of the body succeeds."""
+    c = await make_cluster(n_decode=1)
+    body = msgspec.json.decode(_nested(MAX_JSON_DEPTH))
+    body.update(prompt=prompt, stream=stream, kv_transfer_params={"do_remote_decode": True})
+    r = await c.router.post("/v1/completions", json=body)
+    assert r.status == 200, await r.text()
+    await r.read()
+    assert c.decode[0].requests[-1]["x"] == body["x"]
+
+
+async def test_admin_api_refuses_deep_bodies_too(make_cluster) -> None:
+    c = await make_cluster(n_decode=1)
+    resp = await c.router.post(
+        "/admin/workers", data=b"[" * 5000, headers={"content-type": "application/json"}
+    )
+    await _error(resp, 400)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonl",
+        None,
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_body_not_declared_json_gets_415(make_cluster, path: str, content_type: str | None) -> None:
+    """As vLLM's own server: only application/json, and no Content-Type at all is refused too."""
+    c = await make_cluster(n_decode=1)
+    body = {"model": MODEL, "prompt": "a", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1}
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    resp = await c.router.post(
+        path, data=msgspec.json.encode(body), headers=headers, skip_auto_headers=["Content-Type"]
+    )
+    assert "application/json" in await _error(resp, 415)
+    assert (await resp.json())["error"]["type"] == "UnsupportedMediaTypeError"
+    assert c.decode[0].requests == []
+    await _still_serves(c)
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+async def test_json_media_type_parameters_and_case_are_accepted(make_cluster, content_type: str) -> None:
+    c = await make_cluster(n_decode=1)
+    body = msgspec.json.encode({"model": MODEL, "prompt": "a", "max_tokens": 1})
+    resp = await c.router.post("/v1/completions", data=body, headers={"Content-Type": content_type})
+    assert resp.status == 200
 
 
 @pytest.mark.parametrize(
