@@ -11,10 +11,11 @@ Knobs on ``FakeEngine`` let tests make it slow, fail with a status, die mid-stre
 records every request body (decoded and as the bytes received) and every leg the client abandoned. Asked to
 prefill for a remote decode (vLLM's standard flow), it answers ``kv_transfer_params`` as PDConnector does
 (``pd_connector.wire.PrefillReturned``), or ``kv_answer`` when a test sets one. A cluster's fakes may share
-``Pairings``: a decode engine then answers a P/D leg only once a prefill engine has received its partner
-(same transfer id or SGLang room), as a real D waits for P's KV, so tests see both legs of a pair whatever
-order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real one recomputes).
-Runs in-process (aiohttp test server) or as a process: ``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
+``Pairings``: a decode engine then answers a P/D leg only once a prefill engine has taken its partner (same
+transfer id or SGLang room; a failing one takes none), as a real D waits for P's KV, so tests see both legs
+of a pair whatever order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real
+one recomputes). Runs in-process (aiohttp test server) or as a process:
+``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
 
 For the router benchmark (``stamps={}``) it records, per streamed request, when the request arrived and when
 its first and its ``[DONE]`` event were handed to the socket, on CLOCK_MONOTONIC (``time.monotonic_ns``,
@@ -67,7 +68,7 @@ def _pairing_key(body: dict[str, Any]) -> Any:
 class Pairings:
     """The P/D legs a cluster's prefill engines received, for its decode engines to wait on."""
 
-    def __init__(self, load_timeout_s: float = 2.0) -> None:
+    def __init__(self, load_timeout_s: float = 1.0) -> None:
         self.load_timeout_s = load_timeout_s
         self._received: set[Any] = set()
         self._changed = asyncio.Event()
@@ -166,12 +167,6 @@ class FakeEngine:
         body = msgspec.json.decode(raw)
         self.raw_requests.append(raw)
         self.requests.append(body)
-        key = _pairing_key(body)
-        if self.pairings is not None and key is not None:
-            if self.role == "prefill":
-                self.pairings.received(key)
-            else:
-                await self.pairings.wait(key)
         if self.fail_status:
             return self._error(self.fail_status, "injected failure")
         if body.get("model") != self.model:
@@ -187,12 +182,18 @@ class FakeEngine:
             text = body["prompt"] if isinstance(body["prompt"], str) else " ".join(map(str, body["prompt"]))
         prompt_tokens = len(text.split())
         tokens = generate(text, n_tokens)
-        if self.first_token_delay_s:
-            try:
+        pairings = self.pairings
+        pair = _pairing_key(body) if pairings is not None else None
+        if pairings is not None and pair is not None and self.role == "prefill":
+            pairings.received(pair)  # a P that failed above sent no KV: its D waits in vain
+        try:
+            if pairings is not None and pair is not None and self.role != "prefill":
+                await pairings.wait(pair)
+            if self.first_token_delay_s:
                 await asyncio.sleep(self.first_token_delay_s)
-            except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
-                self.abandoned += 1
-                raise
+        except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
+            self.abandoned += 1
+            raise
         kv = body.get(wire.KV_TRANSFER_PARAMS)
         returned = None
         if kv and kv.get("do_remote_decode"):  # P in vLLM's standard flow: its request id is the transfer id

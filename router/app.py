@@ -62,9 +62,8 @@ class RouterState:
 
     async def start(self) -> None:
         self.upstream = Pool(self.cfg.timeouts.connect_s)
-        self.proxy = Proxy(
-            self.cfg, self.balancer, make_policy(self.cfg.policy), self.upstream, self.metrics, self.rng
-        )
+        policy = make_policy(self.cfg.policy, self.cfg.decode_prefills())
+        self.proxy = Proxy(self.cfg, self.balancer, policy, self.upstream, self.metrics, self.rng)
         self.checker = HealthChecker(self.cfg.health, self._check, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
         self.checker.start()

@@ -157,6 +157,15 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def tokenizer_dir(self) -> str:
         return self.model.tokenizer or self.model.path
 
+    def decode_prefills(self) -> bool:
+        """Whether a decode worker can serve a request alone, prefilling it itself.
+
+        vLLM decode workers can (the local path, and the fallback when P fails). SGLang's decode-mode servers
+        cannot: they only decode what a prefill server sends them, so in ``sglang-bootstrap`` every request
+        goes P->D (``_check`` refuses a configuration that would route any elsewhere).
+        """
+        return self.flow != "sglang-bootstrap"
+
 
 def secret_hook(typ: type, obj: Any) -> Any:
     """msgspec ``dec_hook`` that builds ``Secret`` values (config file and admin API)."""
@@ -204,6 +213,12 @@ def _check(cfg: RouterConfig) -> None:
         errors.append("retry: need 0 <= backoff_base_s <= backoff_max_s")
     if cfg.retry.max_resumes < 0:
         errors.append("retry.max_resumes: must be >= 0")
+    if not cfg.decode_prefills():
+        why = "SGLang's decode servers cannot prefill alone, so every request goes P->D"
+        if cfg.policy.threshold_tokens != 0:
+            errors.append(f'policy.threshold_tokens: must be 0 with flow = "sglang-bootstrap" ({why})')
+        if not cfg.prefill:
+            errors.append(f'prefill: flow = "sglang-bootstrap" needs at least one prefill worker ({why})')
     for role, workers in (("prefill", cfg.prefill), ("decode", cfg.decode)):
         seen: set[str] = set()
         for i, w in enumerate(workers):

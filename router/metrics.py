@@ -86,7 +86,11 @@ class RouterMetrics:
             " dropped them and set its own",
             registry=r,
         )
-        self.queued = Gauge("pd_router_waiting", "Requests waiting for a decode slot", registry=r)
+        self.queued = Gauge(
+            "pd_router_waiting",
+            "Requests waiting for a decode slot (sglang-bootstrap: or a prefill slot)",
+            registry=r,
+        )
         # The request path's children, memoized: ``labels()`` costs ~3 us a call (argument checks and a
         # lock), several times per request; these label sets are few (endpoints, routes, reasons, statuses).
         self.requests_for = _memo(self.requests)

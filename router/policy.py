@@ -19,7 +19,8 @@ from router.config import PolicyConfig
 class Route(enum.Enum):
     LOCAL = "local"  # straight to a decode worker, which prefills itself
     DISAGG = "disagg"  # prefill on P, KV pushed to D, D decodes
-    WAIT = "wait"  # every decode worker is saturated: wait for a slot instead of overloading one
+    WAIT = "wait"  # the workers it needs are saturated: wait for a slot instead of overloading one
+    REJECT = "rejected"  # no usable worker of a pool the request needs: 503
 
 
 class PoolLoad(msgspec.Struct, frozen=True):
@@ -41,8 +42,8 @@ class PolicyInput(msgspec.Struct, frozen=True):
 
 class Decision(msgspec.Struct, frozen=True):
     route: Route
-    # Why, for metrics and logs: short | long | fan_out | prefill_saturated | no_prefill | decode_saturated |
-    # no_decode.
+    # Why, for metrics and logs: short | long | disagg_only | fan_out | prefill_saturated | no_prefill |
+    # decode_saturated | no_decode.
     reason: str
 
 
@@ -53,7 +54,10 @@ class Policy(Protocol):
 class ThresholdPolicy:
     """Length threshold with a load-aware override.
 
-    - No usable D, or every D at ``decode_max_active``: WAIT (queue; the caller times out with 429).
+    - No usable D: REJECT (503). Every D at ``decode_max_active``: WAIT (queue; the caller times out with 429).
+    - Decode workers that cannot prefill alone (``decode_prefills`` False: SGLang): every request goes P->D.
+      No usable P: REJECT (503); every P at ``prefill_saturated_tokens``: WAIT for one below it (429 after
+      the queue timeout); else DISAGG. The proxy refuses requests of several sequences before asking.
     - Several sequences (``n`` > 1, a prompt list, beam search): LOCAL. The P/D legs carry one transfer id;
       vLLM would give each sequence its own engine request with that same id, so their KV would collide.
     - Prompt shorter than ``threshold_tokens``: LOCAL (a short prefill is cheap to piggyback on decode).
@@ -63,31 +67,39 @@ class ThresholdPolicy:
     - Otherwise DISAGG.
     """
 
-    def __init__(self, cfg: PolicyConfig) -> None:
+    def __init__(self, cfg: PolicyConfig, decode_prefills: bool = True) -> None:
         self._cfg = cfg
+        self._decode_prefills = decode_prefills
 
     def decide(self, inp: PolicyInput) -> Decision:
         cfg = self._cfg
         if inp.decode.workers == 0:
-            return Decision(Route.WAIT, "no_decode")
+            return Decision(Route.REJECT, "no_decode")
         if inp.decode.min_active >= cfg.decode_max_active:
             return Decision(Route.WAIT, "decode_saturated")
+        p_saturated = inp.prefill.min_outstanding_tokens >= cfg.prefill_saturated_tokens
+        if not self._decode_prefills:
+            if inp.prefill.workers == 0:
+                return Decision(Route.REJECT, "no_prefill")
+            if p_saturated:
+                return Decision(Route.WAIT, "prefill_saturated")
+            return Decision(Route.DISAGG, "disagg_only")
         if not inp.one_sequence:
             return Decision(Route.LOCAL, "fan_out")
         if inp.prompt_tokens < cfg.threshold_tokens:
             return Decision(Route.LOCAL, "short")
         if inp.prefill.workers == 0:
             return Decision(Route.LOCAL, "no_prefill")
-        if (
-            inp.prefill.min_outstanding_tokens >= cfg.prefill_saturated_tokens
-            and inp.decode.min_active < cfg.decode_headroom_fraction * cfg.decode_max_active
-        ):
+        if p_saturated and inp.decode.min_active < cfg.decode_headroom_fraction * cfg.decode_max_active:
             return Decision(Route.LOCAL, "prefill_saturated")
         return Decision(Route.DISAGG, "long")
 
 
-def make_policy(cfg: PolicyConfig) -> Policy:
-    """The policy named in the config (one today; the switch is where new ones are registered)."""
+def make_policy(cfg: PolicyConfig, decode_prefills: bool) -> Policy:
+    """The policy named in the config (one today; the switch is where new ones are registered).
+
+    ``decode_prefills``: whether decode workers can serve a request alone (``RouterConfig.decode_prefills``).
+    """
     if cfg.name == "threshold":
-        return ThresholdPolicy(cfg)
+        return ThresholdPolicy(cfg, decode_prefills)
     raise ValueError(f"unknown policy {cfg.name!r}")

@@ -4,7 +4,11 @@ Called by ``app.complete`` (router process, one coroutine per request), for requ
 (``front.py``) or aiohttp received; the client side is a ``Downstream`` either way.
 
 - Admission: more than ``server.max_pending`` requests in the router -> 429 with Retry-After. Every decode
-  worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429.
+  worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429; no usable
+  decode worker -> 503.
+- sglang-bootstrap has no route to D alone, since SGLang's decode servers cannot prefill
+  (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> 503, every P
+  saturated -> wait, then 429), requests of several sequences get 400, and resumes go P->D too.
 - Route: the policy says LOCAL (D only, the body forwarded as parsed: the client's, less any transfer fields,
   see ``requests.parse``) or DISAGG (P and D legs per flow, with the router's own transfer fields).
 - Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
@@ -30,7 +34,7 @@ import msgspec
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.downstream import Downstream, Reply, http_chunk, json_reply
-from router.errors import ApiError, overloaded
+from router.errors import ApiError, bad_request, overloaded
 from router.http1 import HttpError, Pool, Response
 from router.metrics import EventSeries, RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
@@ -89,6 +93,14 @@ class Proxy:
             self.metrics.transfer_fields_dropped.inc()
             # the names only: values are the client's data, which the router never logs
             log.debug("dropped client-supplied transfer fields %s", sorted(parsed.dropped))
+        if parsed.fan_out is not None and not self.cfg.decode_prefills():
+            # Such requests go to D alone in the other flows; SGLang's D cannot serve them alone, and SGLang
+            # pairs all n samples of a prompt with one bootstrap room.
+            raise bad_request(
+                f"flow sglang-bootstrap serves one sequence per request (one prompt, n = 1); `{parsed.fan_out}`"
+                " asks for several: send them as separate requests",
+                parsed.fan_out,
+            )
         if self.pending >= self.cfg.server.max_pending:
             self.metrics.requests_for(path, "rejected", "overload").inc()
             raise overloaded("the router has too many requests in progress", self.cfg.server.retry_after_s)
@@ -114,8 +126,10 @@ class Proxy:
             self.pending -= 1
 
     async def _decide(self, parsed: Parsed, path: str) -> Decision:
-        """The policy's route; while it says WAIT, wait for a decode slot (bounded by queue_timeout_s)."""
+        """The policy's route; while it says WAIT, wait for a slot in the pool it names (bounded by
+        queue_timeout_s, then 429); REJECT is a 503."""
         deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
+        retry_after = self.cfg.server.retry_after_s
         self.metrics.queued.inc()
         try:
             while True:
@@ -125,23 +139,20 @@ class Proxy:
                         parsed.prompt_tokens, b.prefill.load(), b.decode.load(), parsed.fan_out is None
                     )
                 )
-                if decision.route is not Route.WAIT:
+                if decision.route is Route.LOCAL or decision.route is Route.DISAGG:
                     return decision
-                if decision.reason == "no_decode":
+                role = _POOL_OF[decision.reason]
+                if decision.route is Route.REJECT:
                     self.metrics.requests_for(path, "rejected", decision.reason).inc()
-                    raise ApiError(
-                        503,
-                        "no healthy decode worker is available",
-                        retry_after_s=self.cfg.server.retry_after_s,
-                    )
+                    raise _unavailable(role, retry_after)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.metrics.requests_for(path, "rejected", decision.reason).inc()
-                    raise overloaded("every decode worker is at capacity", self.cfg.server.retry_after_s)
+                    raise overloaded(f"every {role} worker is at capacity", retry_after)
                 # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(left, 0.5)):
-                        await b.decode.changed.wait()
+                        await b.pool(role).changed.wait()
         finally:
             self.metrics.queued.dec()
 
@@ -155,6 +166,7 @@ class Proxy:
     ) -> Reply | None:
         failed: set[Worker] = set()
         last: UpstreamError | None = None
+        missing = "decode"  # which pool ran out of workers, when one did before any attempt
         for attempt in range(self.cfg.retry.max_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
@@ -163,6 +175,9 @@ class Proxy:
             if decode is None:
                 break
             prefill = self.balancer.pick_prefill(failed) if route is Route.DISAGG else None
+            if prefill is None and route is Route.DISAGG and not self.cfg.decode_prefills():
+                missing = "prefill"
+                break
             try:
                 if parsed.stream:
                     return await self._stream(client, parsed, path, decode, prefill, failed, start)
@@ -173,9 +188,7 @@ class Proxy:
                 last = e
                 log.warning("attempt %d failed: %s", attempt + 1, e)
         if last is None:
-            raise ApiError(
-                503, "no healthy decode worker is available", retry_after_s=self.cfg.server.retry_after_s
-            )
+            raise _unavailable(missing, self.cfg.server.retry_after_s)
         if last.status == 429:
             raise overloaded("upstream workers are overloaded", self.cfg.server.retry_after_s)
         log.error("giving up after %d attempts: %s", self.cfg.retry.max_attempts, last)
@@ -198,30 +211,41 @@ class Proxy:
         else:
             self._fail(decode, e, failed)
 
-    async def _decode_request(
-        self, parsed: Parsed, path: str, prefill: Worker | None, failed: set[Worker], extra: dict[str, Any]
+    async def _legs(
+        self,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes | None,
+        tokens: int,
+        prefill: Worker | None,
+        failed: set[Worker],
+        extra: dict[str, Any],
     ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
-        """The body for D (plus ``extra`` fields), whether it is the local path, and a concurrent P leg."""
-        local = parsed.raw if not extra else msgspec.json.encode({**parsed.body, **extra})
+        """D's body for ``body`` (plus ``extra`` fields), whether it is the local path, and a concurrent P leg.
+
+        ``raw``: ``body``'s bytes when the client sent exactly these (forwarded as they are on the local
+        path); ``tokens``: the prompt length P's lease counts.
+        """
+        local = raw if raw is not None and not extra else msgspec.json.encode({**body, **extra})
         if prefill is None:
             return local, True, None
         flow = self.cfg.flow
         transfer, room = transfer_id(), bootstrap_room(self.rng)
-        p_body = prefill_body(parsed.body, flow, transfer, prefill, room)
+        p_body = prefill_body(body, flow, transfer, prefill, room)
         if flow == "vllm-standard":
             for candidate in self._prefill_candidates(prefill, failed):
                 try:
-                    data = await self._post_prefill(candidate, path, p_body, parsed.prompt_tokens)
+                    data = await self._post_prefill(candidate, path, p_body, tokens)
                     params = returned_params(data)
                 except UpstreamError as e:
                     self._fail(candidate, e, failed)
                     continue
-                d_body = decode_body(parsed.body, flow, transfer, candidate, room, params)
+                d_body = decode_body(body, flow, transfer, candidate, room, params)
                 return msgspec.json.encode({**d_body, **extra}), False, None
             return local, True, None  # no prefill worker succeeded: D prefills locally
-        task = asyncio.create_task(self._post_prefill(prefill, path, p_body, parsed.prompt_tokens))
+        task = asyncio.create_task(self._post_prefill(prefill, path, p_body, tokens))
         task.add_done_callback(_consume)
-        d_body = decode_body(parsed.body, flow, transfer, prefill, room)
+        d_body = decode_body(body, flow, transfer, prefill, room)
         return msgspec.json.encode({**d_body, **extra}), False, task
 
     def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
@@ -261,7 +285,9 @@ class Proxy:
     async def _unary(
         self, parsed: Parsed, path: str, decode: Worker, prefill: Worker | None, failed: set[Worker]
     ) -> Reply:
-        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, {})
+        body, local, p_task = await self._legs(
+            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, {}
+        )
         try:
             with self.balancer.lease(decode):
                 try:
@@ -288,7 +314,9 @@ class Proxy:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
         strip = _wants_ids(parsed, decode)
         extra = {"return_token_ids": True} if strip else {}
-        body, local, p_task = await self._decode_request(parsed, path, prefill, failed, extra)
+        body, local, p_task = await self._legs(
+            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, extra
+        )
         route = "local" if local else "disagg"
         state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
         try:
@@ -412,7 +440,11 @@ class Proxy:
         route: str,
         strip: bool,
     ) -> None:
-        """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
+        """Continue a broken stream on other decode workers; if impossible, end it with an error event.
+
+        The continuation goes to D alone, which prefills the prompt and the delivered tokens itself, or,
+        where D cannot prefill (sglang-bootstrap), P->D like a new request.
+        """
         for _ in range(self.cfg.retry.max_resumes if state is not None else 0):
             assert state is not None
             body = continuation(parsed, state)
@@ -422,22 +454,31 @@ class Proxy:
             decode = self.balancer.pick_decode(self.cfg.policy.decode_max_active, failed)
             if decode is None:
                 break
+            prefill = None
+            if not self.cfg.decode_prefills():  # SGLang's D cannot prefill the continuation itself
+                prefill = self.balancer.pick_prefill(failed)
+                if prefill is None:
+                    break
             self.metrics.resumes.inc()
             log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
-            if strip or "return_token_ids" in parsed.body:
-                body["return_token_ids"] = True
+            extra = {"return_token_ids": True} if strip or "return_token_ids" in parsed.body else {}
             stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip)
-            with self.balancer.lease(decode):
-                try:
-                    resp, first = await self._first_event(decode, path, msgspec.json.encode(body))
-                except UpstreamError as e:
-                    self._fail(decode, e, failed)
-                    err = e
-                    continue
-                try:
-                    result = await self._relay(client, resp, decode, first, state, stitcher, route, strip)
-                finally:
-                    resp.close()
+            tokens = parsed.prompt_tokens + state.tokens
+            d_body, _, p_task = await self._legs(path, body, None, tokens, prefill, failed, extra)
+            try:
+                with self.balancer.lease(decode):
+                    try:
+                        resp, first = await self._guarded(p_task, self._first_event(decode, path, d_body))
+                    except UpstreamError as e:
+                        self._blame(e, decode, prefill, failed)
+                        err = e
+                        continue
+                    try:
+                        result = await self._relay(client, resp, decode, first, state, stitcher, route, strip)
+                    finally:
+                        resp.close()
+            finally:
+                _cancel(p_task)
             if result is None:
                 decode.circuit.record_success()
                 return
@@ -550,6 +591,19 @@ class _Pump:
     def resume(self) -> None:
         self.paused = False
         self._resp.pause_reading(False)
+
+
+#: The pool a WAIT or REJECT decision is about, by its reason.
+_POOL_OF = {
+    "no_decode": "decode",
+    "decode_saturated": "decode",
+    "no_prefill": "prefill",
+    "prefill_saturated": "prefill",
+}
+
+
+def _unavailable(role: str, retry_after_s: int) -> ApiError:
+    return ApiError(503, f"no healthy {role} worker is available", retry_after_s=retry_after_s)
 
 
 def _wants_ids(parsed: Parsed, decode: Worker) -> bool:

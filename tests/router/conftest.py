@@ -114,7 +114,8 @@ async def make_cluster(tokenizer_dir: Path, router_server: type[TestServer]) -> 
                 for i, e in enumerate(cluster.prefill)
             ],
             "decode": [{"url": cluster.url(e)} for e in cluster.decode],
-            "policy": {"threshold_tokens": 32, "queue_timeout_s": 2.0},
+            # sglang-bootstrap sends every request P->D (SGLang's D cannot prefill alone): no threshold there
+            "policy": {"threshold_tokens": 0 if flow == "sglang-bootstrap" else 32, "queue_timeout_s": 2.0},
             "retry": {"backoff_base_s": 0.001, "backoff_max_s": 0.01},
             "health": {"interval_s": 0.2, "timeout_s": 5.0},
             "timeouts": {"first_byte_s": 5.0, "idle_s": 5.0, "request_s": 20.0},

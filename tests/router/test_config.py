@@ -26,6 +26,21 @@ def test_minimal_config_gets_documented_defaults() -> None:
     assert cfg.tokenizer_dir() == "m"
 
 
+def _sglang(**extra):
+    table = _minimal(
+        flow="sglang-bootstrap",
+        policy={"threshold_tokens": 0},
+        prefill=[{"url": "http://p:1", "engine": "sglang", "bootstrap_port": 8998}],
+        decode=[{"url": "http://d:1", "engine": "sglang"}],
+    )
+    return {**table, **extra}
+
+
+def test_sglang_bootstrap_config_sends_everything_through_prefill() -> None:
+    cfg = parse_config(_sglang())
+    assert not cfg.decode_prefills() and parse_config(_minimal()).decode_prefills()
+
+
 def test_example_config_is_valid() -> None:
     cfg = load_config(ROOT / "examples" / "router.toml")
     assert cfg.prefill and cfg.decode
@@ -47,6 +62,9 @@ def test_example_config_is_valid() -> None:
         (_minimal(server={"keepalive_s": 0}), "server.keepalive_s"),
         (_minimal(server={"shutdown_timeout_s": -1}), "server.shutdown_timeout_s"),
         (_minimal(flow="sglang-bootstrap", prefill=[{"url": "http://p:1"}]), "bootstrap_port"),
+        (_sglang(policy={}), 'policy.threshold_tokens: must be 0 with flow = "sglang-bootstrap"'),
+        (_sglang(policy={"threshold_tokens": 1}), "SGLang's decode servers cannot prefill alone"),
+        (_sglang(prefill=[]), 'prefill: flow = "sglang-bootstrap" needs at least one prefill worker'),
     ],
 )
 def test_invalid_configs_name_the_key(table, needle: str) -> None:

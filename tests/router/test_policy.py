@@ -17,8 +17,14 @@ P_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 D_IDLE = PoolLoad(workers=2, min_outstanding_tokens=0, min_active=0)
 
 
-def decide(tokens: int, prefill: PoolLoad = P_IDLE, decode: PoolLoad = D_IDLE, one_sequence: bool = True):
-    return ThresholdPolicy(CFG).decide(PolicyInput(tokens, prefill, decode, one_sequence))
+def decide(
+    tokens: int,
+    prefill: PoolLoad = P_IDLE,
+    decode: PoolLoad = D_IDLE,
+    one_sequence: bool = True,
+    decode_prefills: bool = True,
+):
+    return ThresholdPolicy(CFG, decode_prefills).decide(PolicyInput(tokens, prefill, decode, one_sequence))
 
 
 def test_threshold_boundary() -> None:
@@ -50,7 +56,22 @@ def test_saturated_prefill_with_decode_headroom_goes_local() -> None:
 def test_saturated_decode_waits() -> None:
     assert decide(5, decode=PoolLoad(2, 0, 10)).route is Route.WAIT
     assert decide(5, decode=PoolLoad(2, 0, 9)).route is Route.LOCAL
-    assert decide(5, decode=PoolLoad()).reason == "no_decode"
+    assert (decide(5, decode=PoolLoad()).route, decide(5, decode=PoolLoad()).reason) == (
+        Route.REJECT,
+        "no_decode",
+    )
+
+
+def test_decode_that_cannot_prefill_gets_every_request_through_prefill() -> None:
+    """sglang-bootstrap: never LOCAL; no P is a 503, saturated P a wait (429 after the queue timeout)."""
+    sglang = {"decode_prefills": False}
+    short, no_p, busy_p = decide(5, **sglang), decide(5, prefill=PoolLoad(), **sglang), PoolLoad(2, 1000)
+    assert (short.route, short.reason) == (Route.DISAGG, "disagg_only")
+    assert (no_p.route, no_p.reason) == (Route.REJECT, "no_prefill")
+    saturated = decide(500, prefill=busy_p, decode=PoolLoad(2, 0, 0), **sglang)  # D has headroom: no matter
+    assert (saturated.route, saturated.reason) == (Route.WAIT, "prefill_saturated")
+    assert decide(500, prefill=PoolLoad(2, 999), **sglang).route is Route.DISAGG
+    assert decide(5, decode=PoolLoad(2, 0, 10), **sglang).reason == "decode_saturated"
 
 
 @given(
@@ -58,10 +79,19 @@ def test_saturated_decode_waits() -> None:
     p=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
     d=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
     one=st.booleans(),
+    decode_prefills=st.booleans(),
 )
-def test_policy_is_total_and_never_sends_long_prompts_to_a_missing_pool(tokens, p, d, one) -> None:
-    decision = decide(tokens, p, d, one)
+def test_policy_is_total_and_never_sends_a_request_to_a_missing_pool(
+    tokens, p, d, one, decode_prefills
+) -> None:
+    decision = decide(tokens, p, d, one, decode_prefills)
     if decision.route is Route.DISAGG:
-        assert p.workers > 0 and tokens >= CFG.threshold_tokens and one
+        assert p.workers > 0
+        if decode_prefills:
+            assert tokens >= CFG.threshold_tokens and one
+        else:  # no local fallback: a saturated P is waited for, not queued behind
+            assert p.min_outstanding_tokens < CFG.prefill_saturated_tokens
+    if decision.route is Route.LOCAL:
+        assert decode_prefills
     if d.workers == 0:
-        assert decision.route is Route.WAIT
+        assert decision.route is Route.REJECT
