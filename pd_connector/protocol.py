@@ -29,9 +29,11 @@ HMAC check; each is a ``ProtocolError`` and the connection is dropped.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from typing import Union
 
 import msgspec
@@ -96,6 +98,8 @@ class Destinations(msgspec.Struct, tag="destinations"):
     whose layers have different block tables. P writes tokens ``[start_token, num_tokens)``: D already holds
     the first ``start_token`` (a local prefix-cache hit, block-aligned) and the tables still start at token 0.
     ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
+    ``prompt_hash``: digest of D's prompt tokens (``prompt_digest``; empty: unchecked): P refuses to write a
+    transfer whose prompt differs from its own, so a mispaired request never decodes another prompt's KV.
     """
 
     transfer_id: str
@@ -104,6 +108,12 @@ class Destinations(msgspec.Struct, tag="destinations"):
     block_ids: list[int] = []
     layer_block_ids: list[list[int]] | None = None
     start_token: int = 0
+    prompt_hash: bytes = b""
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """16-byte BLAKE2b of a prompt's token ids (both sides compute it the same way from their own prompt)."""
+    return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 class LayerDone(msgspec.Struct, tag="layer_done"):

@@ -82,8 +82,10 @@ _NEEDED: dict[type[Params], tuple[str, ...]] = {
 
 
 def encode(params: Params) -> dict[str, Any]:
-    """The JSON-ready dict for a body's ``kv_transfer_params``."""
+    """The JSON-ready dict for a body's ``kv_transfer_params`` (the test-only flag only when set)."""
     out: dict[str, Any] = msgspec.to_builtins(params)
+    if isinstance(params, PushPrefill) and not params.pd_test_corrupt:
+        del out["pd_test_corrupt"]
     return out
 
 

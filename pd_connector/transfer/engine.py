@@ -86,13 +86,15 @@ class TransferEngine:
         timeout_s: float | None = None,
         layer_dst_blocks: Sequence[Sequence[int]] | None = None,
         start_token: int = 0,
+        prompt_hash: bytes = b"",
     ) -> None:
         """Ask P at ``prefill_addr`` to write the first ``num_tokens`` tokens of ``transfer_id`` into D's blocks.
 
         ``dst_blocks``: D block ids in token order, shared by every layer; or ``layer_dst_blocks``, one list
         per layer, for caches whose layers have different block tables (``dst_blocks`` is then ignored).
         ``start_token``: tokens D already has (a local prefix-cache hit; a multiple of the block size for
-        heads-major layouts): P skips them, and the tables still start at token 0. Connects
+        heads-major layouts): P skips them, and the tables still start at token 0. ``prompt_hash``
+        (``protocol.prompt_digest`` of D's prompt): P fails the transfer if its own prompt differs. Connects
         and handshakes with P if needed, then sends ``Destinations``. Ends in ``poll()`` as DONE (the blocks
         hold the KV) or FAILED/ABORTED within ``timeout_s`` (default ``config.load_timeout_s``) plus
         ``abort_grace_s``; P is told to stop writing before FAILED is reported, or its connection is closed.
@@ -126,6 +128,7 @@ class TransferEngine:
             block_ids=[] if per_layer else tables[0],
             layer_block_ids=tables if per_layer else None,
             start_token=start_token,
+            prompt_hash=prompt_hash,
         )
         with self._ctx.lock:
             if transfer_id in self._recv_ids:
@@ -134,15 +137,20 @@ class TransferEngine:
         self._post(self._receiver.expect, prefill_addr, dests)
 
     # ---- sender side (P) ---------------------------------------------------------------------------------
-    def offer(self, transfer_id: str, src_blocks: Sequence[int]) -> None:
+    def offer(self, transfer_id: str, src_blocks: Sequence[int], prompt_hash: bytes = b"") -> None:
         """Declare (or extend, for chunked prefill) P's block table for ``transfer_id``, in token order.
+
+        ``prompt_hash`` (``protocol.prompt_digest`` of P's prompt, first call) is compared with D's: when both
+        are given and differ, the transfer fails before any byte is written.
 
         The first call starts the sender state (WAITING) and its lease: if no activity (destinations, push,
         landed write) happens for ``config.lease_s``, the transfer ends FAILED with
         ``lease_expired`` and its blocks are released. A later call passes the whole, longer table (the
         known prefix must not change).
         """
-        self._post(self._sender.offer, transfer_id, [int(b) for b in src_blocks], time.monotonic())
+        self._post(
+            self._sender.offer, transfer_id, [int(b) for b in src_blocks], time.monotonic(), prompt_hash
+        )
 
     def push_layer(self, transfer_id: str, layer: int, start: int = 0, end: int | None = None) -> None:
         """Write ``layer``'s blocks at table positions ``[start, end)`` (None: to the table's end) to D.

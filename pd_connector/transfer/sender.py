@@ -54,6 +54,7 @@ class _Send:
     transfer_id: str
     src_blocks: list[int]
     started: float
+    prompt_hash: bytes = b""
     state: TransferState = TransferState.WAITING
     peer: _Peer | None = None
     dests: Destinations | None = None
@@ -263,10 +264,10 @@ class Sender:
         # else: already ending; our Abort follows once drained and D takes it as the answer
 
     # ---- adapter calls ---------------------------------------------------------------------------------------
-    def offer(self, tid: str, blocks: list[int], at: float) -> None:
+    def offer(self, tid: str, blocks: list[int], at: float, prompt_hash: bytes) -> None:
         st = self.sends.get(tid)
         if st is None:
-            st = self.sends[tid] = _Send(tid, blocks, at)
+            st = self.sends[tid] = _Send(tid, blocks, at, prompt_hash)
             orphan = self.orphans.pop(tid, None)
             if orphan is not None:
                 orphan.timer.cancel()
@@ -332,6 +333,9 @@ class Sender:
         st.peer, st.dests = peer, dests
         st.state = TransferState.TRANSFERRING
         st.dest_deadline = self.ctx.loop.time() + dests.lease_s
+        if st.prompt_hash and dests.prompt_hash and st.prompt_hash != dests.prompt_hash:
+            self._end(st, TransferState.FAILED, "decode's prompt differs from prefill's for this transfer id")
+            return
         self._arm(st)
         intents, st.intents = st.intents, []
         for layer, start, end in intents:

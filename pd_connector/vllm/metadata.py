@@ -26,6 +26,8 @@ class SendSpec(msgspec.Struct, frozen=True):
     prompt_len: int
     #: Test only (``test_allow_corruption``): send zeros instead of this request's KV.
     corrupt: bool = False
+    #: ``protocol.prompt_digest`` of the prompt: P writes nothing for a D whose prompt differs.
+    prompt_hash: bytes = b""
 
     @property
     def completes_prompt(self) -> bool:
@@ -42,6 +44,8 @@ class RecvSpec(msgspec.Struct, frozen=True):
     block_ids: list[int]
     start_block: int
     num_tokens: int
+    #: ``protocol.prompt_digest`` of the prompt, checked by P against its own.
+    prompt_hash: bytes = b""
 
 
 class FinishedSend(msgspec.Struct, frozen=True):

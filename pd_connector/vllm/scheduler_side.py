@@ -11,9 +11,10 @@ Decides per request what the connector does, from the request's ``kv_transfer_pa
   once; if it fails, vLLM's ``kv_load_failure_policy`` recomputes (or fails) the request.
 Only what this engine's ``kv_role`` allows: a consumer-only D never prefills for a remote decode (it would
 hold the blocks for a send that never comes), a producer-only P never loads; a decode request loads only from a
-prefill address the peer policy allows (``pd_connector.trust``); one transfer id serves one request at a time
+prefill address the peer policy allows (``pd_connector.trust``); a transfer id serves one request, ever
 (``n > 1`` children and prompt lists share their parent's parameters: the first one transfers, the others
-are served locally). Anything refused is logged (request id and reason, never the values) and counted, and
+are served locally; both sides send their prompt's digest, so a P and a D that paired different prompts under
+one id fail the transfer instead of decoding the wrong KV). Anything refused is logged (request id and reason, never the values) and counted, and
 the request is served locally. Never raises on bad parameters: that would kill the engine.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
@@ -24,10 +25,12 @@ for (``Destinations.start_token`` onward) and fails any transfer that leaves a h
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector import wire
+from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
+
+#: How many used transfer ids an engine remembers (about 1.6 MB): far more than it serves within a lease.
+USED_IDS_KEPT = 16384
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class _Send:
 
     request: Request
     role: PrefillRole
+    digest: bytes
     pushed: int = 0
 
 
@@ -88,11 +95,11 @@ class SchedulerSide:
         self._kv_cache_manager: KVCacheManager | None = None
         # What each live request asked of us (None: served locally), decided once per request.
         self._roles: dict[str, PrefillRole | DecodeRole | None] = {}
-        # P: requests whose prompt we push, by request id; transfer ids held by live requests.
+        # P: requests whose prompt we push, by request id.
         self._sends: dict[str, _Send] = {}
-        self._send_ids: set[str] = set()
-        # D: transfer ids held by live requests; loads planned (never load twice), and those still loading.
-        self._recv_ids: dict[str, str] = {}
+        # Transfer ids this engine has taken (either role), oldest first: each serves one request, ever.
+        self._used_ids: OrderedDict[str, None] = OrderedDict()
+        # D: loads planned (never load twice), and those still loading.
         self._load_planned: set[str] = set()
         self._loading: set[str] = set()
         self._pending_recvs: list[RecvSpec] = []
@@ -115,28 +122,40 @@ class SchedulerSide:
             tid = params.pd_transfer_id if isinstance(params, wire.PushPrefill) else req_id
             if not self._producer:
                 why = "prefill parameters on a kv_consumer engine (it never sends KV)"
-            elif tid in self._send_ids:
-                why = "its transfer id is already in use by another request"
+            elif self._used(tid):
+                why = "its transfer id was already used by another request"
             else:
                 corrupt = isinstance(params, wire.PushPrefill) and params.pd_test_corrupt
                 role = PrefillRole(tid, corrupt)
-                self._send_ids.add(tid)
         elif isinstance(params, (wire.PushDecode, wire.PrefillReturned)):
             refusal = self._policy.refusal(params.pd_prefill_addr)
             if not self._consumer:
                 why = "decode parameters on a kv_producer engine (it never loads KV)"
             elif refusal is not None:
                 why = refusal
-            elif params.pd_transfer_id in self._recv_ids:
-                why = "its transfer id is already in use by another request"
+            elif self._used(params.pd_transfer_id):
+                why = "its transfer id was already used by another request"
             else:
                 role = DecodeRole(params.pd_transfer_id, params.pd_prefill_addr)
-                self._recv_ids[role.transfer_id] = req_id
         if why:
             self._stats.refused()
             logger.warning("PDConnector: request %s served locally: %s", req_id, why)
         self._roles[req_id] = role
         return role
+
+    def _used(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id`` was taken before; takes it if not (the oldest are forgotten past a bound).
+
+        Ids are single-use: the router makes a fresh one per request, and a second request with a used id (the
+        other sequences of ``n > 1`` or of a prompt list, a replay) could otherwise be paired with the first
+        one's transfer, or hold P's blocks for a D that never comes.
+        """
+        if transfer_id in self._used_ids:
+            return True
+        self._used_ids[transfer_id] = None
+        if len(self._used_ids) > USED_IDS_KEPT:
+            self._used_ids.popitem(last=False)
+        return False
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -156,7 +175,8 @@ class SchedulerSide:
         req_id = request.request_id
         role = self.classify(request)
         if isinstance(role, PrefillRole):
-            self._sends.setdefault(req_id, _Send(request, role))
+            if req_id not in self._sends:
+                self._sends[req_id] = _Send(request, role, prompt_digest(request.prompt_token_ids or ()))
         elif isinstance(role, DecodeRole) and num_external_tokens > 0:
             if req_id in self._load_planned:
                 return
@@ -174,6 +194,7 @@ class SchedulerSide:
                     block_ids=list(blocks.get_block_ids()[0]),
                     start_block=local_tokens // self._block_size,
                     num_tokens=prompt_len,
+                    prompt_hash=prompt_digest(request.prompt_token_ids or ()),
                 )
             )
 
@@ -186,8 +207,11 @@ class SchedulerSide:
             request, role = send.request, send.role
             prompt_len = _prompt_len(request)
             # Called before vLLM advances num_computed_tokens: this step computes up to ``end``. The push starts
-            # where the last one ended (token 0 at first: P's prefix-cache hit must reach D too).
+            # where the last one ended (token 0 at first: P's prefix-cache hit must reach D too) and stops at
+            # the last whole block, so a block a chunk boundary splits moves once, with the step that fills it.
             end = min(request.num_computed_tokens + num_tokens, prompt_len)
+            if end < prompt_len:
+                end -= end % self._block_size
             if end <= send.pushed:
                 continue
             sends.append(
@@ -199,6 +223,7 @@ class SchedulerSide:
                     end_token=end,
                     prompt_len=prompt_len,
                     corrupt=role.corrupt and self._allow_corruption,
+                    prompt_hash=send.digest,
                 )
             )
             send.pushed = end
@@ -219,12 +244,8 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
-        role = self._roles.pop(req_id, None)
+        self._roles.pop(req_id, None)
         self._load_planned.discard(req_id)
-        if isinstance(role, DecodeRole):
-            del self._recv_ids[role.transfer_id]
-        elif isinstance(role, PrefillRole):
-            self._send_ids.discard(role.transfer_id)
         if req_id in self._loading:
             # D aborted while loading: vLLM keeps the blocks until the worker reports the load finished.
             self._loading.discard(req_id)

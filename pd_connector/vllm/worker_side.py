@@ -148,7 +148,7 @@ class WorkerSide:
         for spec in meta.sends:
             if self._live(spec):
                 self._send_req[spec.transfer_id] = spec.req_id
-                self._eng.offer(spec.transfer_id, spec.block_ids)
+                self._eng.offer(spec.transfer_id, spec.block_ids, spec.prompt_hash)
         for finished in meta.finished_sends:
             self._send_finished[finished.req_id] = finished.report
             offered = next((t for t, r in self._send_req.items() if r == finished.req_id), None)
@@ -200,6 +200,7 @@ class WorkerSide:
                     spec.block_ids,
                     spec.num_tokens,
                     start_token=spec.start_block * self._block_size,
+                    prompt_hash=spec.prompt_hash,
                 )
             except ValueError as exc:
                 logger.warning("PDConnector: cannot load %s: %s", spec.transfer_id, exc)

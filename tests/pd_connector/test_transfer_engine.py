@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_connector.layout import KVLayout
-from pd_connector.protocol import HEADER, FrameCodec, Hello, HelloAck
+from pd_connector.protocol import HEADER, FrameCodec, Hello, HelloAck, prompt_digest
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from pd_connector.trust import InsecureConfig
@@ -267,6 +267,39 @@ def test_a_hole_in_any_layer_fails_both_sides(
     assert d.state is TransferState.FAILED and hole in d.reason, d.reason
     assert p.state is TransferState.FAILED
     assert_no_state(pair.p, pair.d)
+
+
+@pytest.mark.parametrize("order", ["decode first", "prefill first"])
+def test_a_different_prompt_under_the_same_id_fails_before_any_write(pair: Pair, order: str) -> None:
+    """A P and a D that paired different prompts under one transfer id (prompt lists, a buggy proxy) must
+    not decode one prompt from the other's KV: P fails the transfer and writes nothing."""
+    p_hash, d_hash = prompt_digest([1, 2, 3, 4, 5, 6, 7, 8]), prompt_digest([1, 2, 3, 4, 5, 6, 7, 9])
+    if order == "decode first":
+        pair.d.expect("mix", addr(pair.p), [5, 6], 8, prompt_hash=d_hash)
+        pair.p.offer("mix", [1, 2], prompt_hash=p_hash)
+    else:
+        pair.p.offer("mix", [1, 2], prompt_hash=p_hash)
+        pair.d.expect("mix", addr(pair.p), [5, 6], 8, prompt_hash=d_hash)
+    for layer in range(SMALL.num_layers):
+        pair.p.push_layer("mix", layer)
+    pair.p.finish("mix")
+    d, p = wait_results(pair.d, {"mix"})["mix"], wait_results(pair.p, {"mix"})["mix"]
+    assert d.state is p.state is TransferState.FAILED and "prompt differs" in d.reason
+    assert p.bytes == 0 and not any(pair.dc.tokens(0, [5, 6], 8))
+    assert_no_state(pair.p, pair.d)
+
+
+def test_equal_prompt_digests_transfer(pair: Pair) -> None:
+    digest = prompt_digest(range(8))
+    assert digest == prompt_digest(list(range(8))) and len(digest) == 16
+    pair.d.expect("same", addr(pair.p), [5, 6], 8, prompt_hash=digest)
+    pair.p.offer("same", [1, 2], prompt_hash=digest)
+    for layer in range(SMALL.num_layers):
+        pair.p.push_layer("same", layer)
+    pair.p.finish("same")
+    assert wait_results(pair.d, {"same"})["same"].state is TransferState.DONE
+    wait_results(pair.p, {"same"})
+    pair.assert_copied([1, 2], [5, 6], 8)
 
 
 def test_overlapping_pushes_in_any_order_cover_the_prompt(pair: Pair) -> None:

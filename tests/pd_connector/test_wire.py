@@ -60,4 +60,9 @@ def test_malformed_params_are_refused_naming_the_field(raw: Any, why: str) -> No
 
 
 def test_transfer_fields_cover_both_engines() -> None:
-    assert {"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room"} <= wire.TRANSFER_FIELDS
+    assert {
+        "kv_transfer_params",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    } <= wire.TRANSFER_FIELDS

@@ -9,7 +9,9 @@ import msgspec
 import pytest
 from vllm.v1.request import RequestStatus
 
+from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
+from pd_connector.vllm import scheduler_side
 from pd_connector.vllm.metadata import FinishedSend, RecvSpec, SendSpec
 from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerSide
 
@@ -138,9 +140,9 @@ def test_prefill_addresses_follow_the_peer_policy() -> None:
     assert classify(local, policy=listed) is None
 
 
-def test_one_transfer_id_serves_one_live_request() -> None:
-    """n > 1 children share their parent's params: the first transfers, the rest are served locally, and
-    the id is free again once its request finished."""
+def test_a_transfer_id_serves_one_request_ever() -> None:
+    """n > 1 children and prompt lists share their parent's params: the first transfers, the rest are served
+    locally, also once the first finished (its transfer may still hold P's blocks, or be over)."""
     for params in ({"pd_role": "prefill", "pd_transfer_id": "T"}, decode_params("T")):
         side, _ = make_side()
         first, second = (FakeRequest(r, params, list(range(40))) for r in ("0_r", "1_r"))
@@ -149,7 +151,20 @@ def test_one_transfer_id_serves_one_live_request() -> None:
         first.status = second.status = RequestStatus.FINISHED_LENGTH_CAPPED
         side.request_finished(second, [])  # type: ignore[arg-type]
         side.request_finished(first, [])  # type: ignore[arg-type]
-        assert side.classify(FakeRequest("2_r", params, [1])) is not None  # type: ignore[arg-type]
+        assert side.classify(FakeRequest("2_r", params, [1])) is None  # type: ignore[arg-type]
+        assert refused(side) == 2
+
+
+def test_used_ids_are_forgotten_past_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scheduler_side, "USED_IDS_KEPT", 3)
+    side, _ = make_side()
+
+    def take(req_id: str, tid: str) -> PrefillRole | DecodeRole | None:
+        return side.classify(FakeRequest(req_id, {"pd_role": "prefill", "pd_transfer_id": tid}, [1]))  # type: ignore[arg-type]
+
+    assert all(take(f"r{i}", f"t{i}") is not None for i in range(5))
+    assert take("again0", "t0") is not None, "t0 was forgotten"
+    assert take("again4", "t4") is None
 
 
 def test_decode_reports_async_external_tokens_once() -> None:
@@ -159,7 +174,8 @@ def test_decode_reports_async_external_tokens_once() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (100, True), "side-effect free before alloc"
     side.update_state_after_alloc(req, FakeBlocks([5, 6, 7, 8]), 100)  # type: ignore[arg-type]
     meta = side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
-    assert meta.recvs == [RecvSpec("d1", "t1", ADDR, [5, 6, 7, 8], start_block=0, num_tokens=100)]
+    digest = prompt_digest(list(range(100)))
+    assert meta.recvs == [RecvSpec("d1", "t1", ADDR, [5, 6, 7, 8], 0, 100, prompt_hash=digest)]
     # A failed load is recomputed by vLLM: the connector must not try to load again.
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
     assert side.build_connector_meta(FakeOutput({})).recvs == []  # type: ignore[arg-type]
@@ -224,6 +240,21 @@ def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
     meta = side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
     assert meta.finished_sends == [FinishedSend("p1", ok=True, report=True)]
     assert side.build_connector_meta(FakeOutput({})).finished_sends == []  # type: ignore[arg-type]
+
+
+def test_a_block_split_by_chunks_is_pushed_once() -> None:
+    """Concurrent prefills get chunks that end inside a block: each push stops at the last whole block, the
+    next starts there, and the step that completes the prompt pushes the partial last block."""
+    side, manager = make_side()
+    req = FakeRequest("p1", {"pd_role": "prefill", "pd_transfer_id": "T"}, list(range(100)))
+    side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
+    manager.blocks["p1"] = [1, 2, 3, 4]
+    spans = []
+    for computed, scheduled in ((0, 20), (20, 30), (50, 40), (90, 10)):
+        req.num_computed_tokens = computed
+        sends = side.build_connector_meta(FakeOutput({"p1": scheduled})).sends  # type: ignore[arg-type]
+        spans += [(s.start_token, s.end_token) for s in sends]
+    assert spans == [(0, 32), (32, 64), (64, 100)]
 
 
 def test_prefill_pushes_its_own_prefix_cache_hit_too() -> None:
