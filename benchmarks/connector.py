@@ -34,6 +34,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_connector import wire
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer, free_port, process_group_cpu_seconds
@@ -92,7 +93,7 @@ def ttft_pd(p_url: str, d_url: str, bootstrap: str, body: dict[str, Any]) -> flo
         try:
             pd_client.post_json(
                 p_url + "/v1/completions",
-                pd_client.prefill_body(body, {"pd_transfer_id": tid, "pd_role": "prefill"}),
+                pd_client.prefill_body(body, wire.PushPrefill(tid)),
                 600,
             )
         except BaseException as exc:
@@ -100,8 +101,7 @@ def ttft_pd(p_url: str, d_url: str, bootstrap: str, body: dict[str, Any]) -> flo
 
     thread = threading.Thread(target=prefill)
     thread.start()
-    params = {"pd_transfer_id": tid, "pd_role": "decode", "pd_prefill_addr": bootstrap}
-    ttft = stream_first_token(d_url, {**body, "kv_transfer_params": params}, t0)
+    ttft = stream_first_token(d_url, pd_client.decode_body(body, tid, bootstrap), t0)
     thread.join()
     if p_errors:
         raise RuntimeError(f"P leg failed: {p_errors[0]!r}")

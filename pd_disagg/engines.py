@@ -36,6 +36,7 @@ def _local_server(
     log_dir: Path,
     env: Mapping[str, str],
     health_path: str = "/health",
+    cwd: Path | None = None,
 ) -> ManagedServer:
     """A server on ``127.0.0.1:port`` logging to ``log_dir/NAME-PORT.log``, healthy when ``health_path`` is 200."""
     return ManagedServer(
@@ -44,6 +45,7 @@ def _local_server(
         log_path=log_dir / f"{name}-{port}.log",
         health_url=f"http://127.0.0.1:{port}{health_path}",
         env=env,
+        cwd=cwd,
     )
 
 
@@ -57,14 +59,17 @@ def vllm_server(
     kv_cache_gib: int = 1,
     max_model_len: int = 1024,
     dtype: str = "bfloat16",
-    kv_transfer_config: Mapping[str, Any] | None = None,
+    kv_transfer_config: Mapping[str, Any] | Path | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> ManagedServer:
     """A vLLM OpenAI server on ``127.0.0.1:port`` (not yet started).
 
     ``cpu_core`` pins vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two servers on a two-core
-    machine do not fight over the same core.
+    machine do not fight over the same core. ``kv_transfer_config`` is a dict (passed as JSON text) or the
+    path of a JSON file (passed as the path: ``pd-vllm`` reads it). ``cwd``: the server's working directory
+    (relative model and config paths resolve there).
     """
     port = port or free_port()
     argv = [
@@ -84,7 +89,9 @@ def vllm_server(
         *VLLM_CPU_ARGS,
         *extra_args,
     ]
-    if kv_transfer_config is not None:
+    if isinstance(kv_transfer_config, Path):
+        argv += ["--kv-transfer-config", str(kv_transfer_config)]
+    elif kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     server_env = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # whole GiB: vLLM parses an int
@@ -95,7 +102,7 @@ def vllm_server(
     if cpu_core is not None:
         server_env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
     server_env.update(env or {})
-    return _local_server(name, argv, port, log_dir, server_env)
+    return _local_server(name, argv, port, log_dir, server_env, cwd=cwd)
 
 
 # SGLang runs from its own virtualenv (`make sglang-env`): it pins torch and transformers versions that differ
@@ -251,7 +258,10 @@ def write_router_config(
     return path
 
 
-def router_server(config: Path, *, log_dir: Path, port: int, name: str = "router") -> ManagedServer:
+def router_server(
+    config: Path, *, log_dir: Path, port: int, name: str = "router", cwd: Path | None = None
+) -> ManagedServer:
     """``pd-router --config CONFIG --port PORT`` (not yet started); healthy once it answers ``/ready``."""
     argv = [sys.executable, "-m", "router.cli", "--config", str(config), "--port", str(port)]
-    return _local_server(name, argv, port, log_dir, {"TOKENIZERS_PARALLELISM": "false"}, health_path="/ready")
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    return _local_server(name, argv, port, log_dir, env, health_path="/ready", cwd=cwd)

@@ -13,6 +13,8 @@ import urllib.request
 import uuid
 from typing import Any
 
+from pd_connector import wire
+
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
     """POST ``body`` as JSON, return the decoded JSON answer (raises ``urllib.error.HTTPError`` on 4xx/5xx)."""
@@ -24,9 +26,14 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[
         return result
 
 
-def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: wire.Params) -> dict[str, Any]:
     """P's leg: same body, one token, not streamed, with the transfer parameters."""
-    return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    return {**body, "max_tokens": 1, "stream": False, wire.KV_TRANSFER_PARAMS: wire.encode(params)}
+
+
+def decode_body(body: dict[str, Any], transfer_id: str, bootstrap: str) -> dict[str, Any]:
+    """D's leg in our push flow: the body with the transfer id and P's side channel."""
+    return {**body, wire.KV_TRANSFER_PARAMS: wire.encode(wire.PushDecode(transfer_id, bootstrap))}
 
 
 def disaggregated(
@@ -37,41 +44,26 @@ def disaggregated(
     path: str = "/v1/completions",
     transfer_id: str | None = None,
     timeout_s: float = 120.0,
-    prefill_extra: dict[str, Any] | None = None,
+    corrupt: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | BaseException]:
     """Our push flow: P and D legs sent concurrently; returns ``(D's answer, P's answer or its error)``.
 
-    ``prefill_extra`` adds keys to P's ``kv_transfer_params`` (tests use ``pd_test_corrupt``).
+    ``corrupt`` asks P to zero the KV it pushes (honoured only by a P with ``test_allow_corruption``).
     """
     transfer_id = transfer_id or uuid.uuid4().hex
     p_result: list[dict[str, Any] | BaseException] = []
 
     def prefill() -> None:
         try:
-            p_result.append(
-                post_json(
-                    prefill_url + path,
-                    prefill_body(
-                        body, {"pd_transfer_id": transfer_id, "pd_role": "prefill", **(prefill_extra or {})}
-                    ),
-                    timeout_s,
-                )
-            )
+            p_body = prefill_body(body, wire.PushPrefill(transfer_id, pd_test_corrupt=corrupt))
+            p_result.append(post_json(prefill_url + path, p_body, timeout_s))
         except BaseException as exc:  # reported to the caller, who decides
             p_result.append(exc)
 
     thread = threading.Thread(target=prefill, daemon=True)
     thread.start()
-    d_body = {
-        **body,
-        "kv_transfer_params": {
-            "pd_transfer_id": transfer_id,
-            "pd_role": "decode",
-            "pd_prefill_addr": bootstrap,
-        },
-    }
     try:
-        answer = post_json(decode_url + path, d_body, timeout_s)
+        answer = post_json(decode_url + path, decode_body(body, transfer_id, bootstrap), timeout_s)
     finally:
         thread.join(timeout_s)
     return answer, p_result[0] if p_result else TimeoutError("P leg did not return")
@@ -81,25 +73,11 @@ def standard_prefill(
     prefill_url: str, body: dict[str, Any], path: str = "/v1/completions", timeout_s: float = 120.0
 ) -> dict[str, Any]:
     """First leg of vLLM's standard flow: P with ``do_remote_decode``; returns the params D needs."""
-    p_answer = post_json(
-        prefill_url + path,
-        prefill_body(
-            body,
-            {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-            },
-        ),
-        timeout_s,
-    )
-    params = p_answer.get("kv_transfer_params")
-    if not params:
-        raise RuntimeError(f"P returned no kv_transfer_params: {p_answer}")
-    return dict(params)
+    p_answer = post_json(prefill_url + path, prefill_body(body, wire.StandardPrefill()), timeout_s)
+    params = wire.parse_params(p_answer.get(wire.KV_TRANSFER_PARAMS))
+    if not isinstance(params, wire.PrefillReturned):
+        raise RuntimeError(f"P returned no prefill parameters for D: {p_answer}")
+    return wire.encode(params)
 
 
 def vllm_standard(
@@ -111,4 +89,4 @@ def vllm_standard(
 ) -> dict[str, Any]:
     """vLLM's standard flow: P first with ``do_remote_decode``, then D with the params P returned."""
     params = standard_prefill(prefill_url, body, path, timeout_s)
-    return post_json(decode_url + path, {**body, "kv_transfer_params": params}, timeout_s)
+    return post_json(decode_url + path, {**body, wire.KV_TRANSFER_PARAMS: params}, timeout_s)

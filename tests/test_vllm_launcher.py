@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata as metadata
+from pathlib import Path
 
 import pytest
 
-from pd_disagg.vllm_launcher import _version_with_cpu_fallback
+from pd_disagg.vllm_launcher import _version_with_cpu_fallback, inline_json_files
 
 pytestmark = pytest.mark.unit
 
@@ -34,3 +35,24 @@ def test_real_vllm_dist_wins() -> None:
 def test_neither_installed_raises() -> None:
     with pytest.raises(metadata.PackageNotFoundError):
         _version_with_cpu_fallback(_fake_versions({}))("vllm")
+
+
+def test_kv_transfer_config_takes_a_json_file(tmp_path: Path) -> None:
+    """pd-vllm serve --kv-transfer-config FILE.json passes vLLM the file's JSON text; JSON text stays."""
+    config = tmp_path / "pd.json"
+    config.write_text('{"kv_connector": "PDConnector", "kv_role": "kv_producer"}')
+    text = config.read_text()
+    argv = ["pd-vllm", "serve", "m", "--kv-transfer-config", str(config), "--port", "1"]
+    assert inline_json_files(argv) == ["pd-vllm", "serve", "m", "--kv-transfer-config", text, "--port", "1"]
+    assert inline_json_files(["x", f"--kv-transfer-config={config}"]) == ["x", f"--kv-transfer-config={text}"]
+    assert inline_json_files(["x", "--kv-transfer-config", text]) == ["x", "--kv-transfer-config", text]
+    assert inline_json_files(["x", "--model", str(config)]) == ["x", "--model", str(config)]
+
+
+@pytest.mark.parametrize("content", [None, "not json", "[1, 2]"])
+def test_a_bad_kv_transfer_config_file_names_the_file(tmp_path: Path, content: str | None) -> None:
+    config = tmp_path / "pd.json"
+    if content is not None:
+        config.write_text(content)
+    with pytest.raises(SystemExit, match=r"pd-vllm: --kv-transfer-config .*pd\.json"):
+        inline_json_files(["x", "--kv-transfer-config", str(config)])
