@@ -232,7 +232,7 @@ def test_through_pd_router_output_equals_aggregated(pd_pair, reference, tiny_mod
         sections={
             "model": {"path": str(tiny_model)},
             # SGLang's D cannot prefill alone: every prompt goes P->D.
-            "policy": {"threshold_tokens": 1},
+            "policy": {"threshold_tokens": 0},
             # SGLang's /health generates a token and takes >= 1 s.
             "health": {"interval_s": 0.5, "timeout_s": 5},
         },
