@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import signal
 import socket
 import threading
 import time
@@ -671,31 +672,54 @@ def test_decode_times_out_when_prefill_never_delivers(pd: Cluster) -> None:
     wait_until(lambda: blocks_idle(pd.d_url), 10, "D blocks freed")
 
 
-def _running(url: str) -> bool:
-    return metric(url, "vllm:num_requests_running") > 0
+def _connections_to(port: int) -> int:
+    """Established TCP connections whose local end is ``port`` on this host (accepted or still queued)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                count += fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port
+    return count
 
 
-def test_killing_prefill_mid_transfer_then_restarting_it(cluster: Cluster) -> None:
-    """P killed while it prefills a transfer: D recomputes within its timeout; with P gone, a new transfer
-    fails at connect time and D recomputes at once; a P restarted on the same side channel serves D again.
-    (The reference comes from the restarted P: a warm P would finish this prefill before the kill.)"""
+def test_prefill_killed_during_a_transfer_then_restarted(cluster: Cluster) -> None:
+    """P frozen (SIGSTOP) with both legs sent, then killed: D, waiting for KV or about to dial P, recomputes
+    within its timeout; with P gone, a new transfer fails at connect time and D recomputes at once; a P
+    restarted on the same side channel serves D again. (A write cut off halfway is the unit tests' case:
+    tests/pd_connector/test_control_plane.py kills a prefill process mid-transfer. The reference comes from
+    the restarted P.)"""
     pd = cluster.ensure()
-    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=8000)
     assert pd.prefill is not None
+    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=8000)
     failures = metric(pd.d_url, FAILURES)
+    tid = uuid.uuid4().hex
+    p_port = int(pd.p_url.rsplit(":", 1)[1])
+    queued = _connections_to(p_port)
+    pd.prefill.kill(signal.SIGSTOP)
     start = time.monotonic()
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(pd_client.disaggregated, pd.p_url, pd.d_url, pd.bootstrap, body(prompt))
-        wait_until(lambda: _running(pd.p_url), 30, "P prefilling the request")
+    with ThreadPoolExecutor(2) as pool:
+        d_leg = pool.submit(
+            pd_client.post_json,
+            pd.d_url + "/v1/completions",
+            pd_client.decode_body(body(prompt), tid, pd.bootstrap),
+        )
+        p_leg = pool.submit(
+            pd_client.post_json,
+            pd.p_url + "/v1/completions",
+            pd_client.prefill_body(body(prompt), wire.PushPrefill(tid)),
+        )
+        wait_until(lambda: _connections_to(p_port) > queued, 30, "the P leg queued at the frozen P")
         pd.prefill.kill()
-        answer, p_answer = pending.result(timeout=120)
-    assert isinstance(p_answer, BaseException), "P was killed during its prefill"
+        with pytest.raises(OSError):
+            p_leg.result(timeout=60)
+        answer = d_leg.result(timeout=120)
     assert time.monotonic() - start < D_LOAD_TIMEOUT_S + 30
     start = time.monotonic()
     again, _ = pd_client.disaggregated(pd.p_url, pd.d_url, pd.bootstrap, body(prompt), timeout_s=60)
     assert time.monotonic() - start < D_LOAD_TIMEOUT_S + 10
     wait_until(lambda: blocks_idle(pd.d_url), 15, "D blocks freed")
-    assert metric(pd.d_url, FAILURES) >= failures + 2
+    wait_until(lambda: metric(pd.d_url, FAILURES) == failures + 2, 10, "both failed loads counted")
     cluster.ensure()  # P restarts on the same side-channel port; D reconnects to it
     reference = pd.reference(prompt)
     assert token_ids(answer) == token_ids(again) == reference, "both recomputed answers are colocated ones"
@@ -705,17 +729,27 @@ def test_killing_prefill_mid_transfer_then_restarting_it(cluster: Cluster) -> No
     transfers.check(1, blocks=blocks_to_load(len(fresh)))
 
 
-def test_killing_decode_mid_transfer_leaves_prefill_healthy(cluster: Cluster) -> None:
+def test_decode_killed_during_a_transfer_leaves_prefill_healthy(cluster: Cluster) -> None:
+    """D frozen with its leg queued while P prefills and holds the blocks for it, then killed: P frees them
+    within its lease (the destinations never came) and keeps serving."""
     pd = cluster.ensure()
-    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=6000)
     assert pd.decode is not None
+    prompt = tokens(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=6000)
+    tid = uuid.uuid4().hex
+    pd.decode.kill(signal.SIGSTOP)
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(pd_client.disaggregated, pd.p_url, pd.d_url, pd.bootstrap, body(prompt))
-        wait_until(lambda: _running(pd.p_url), 30, "P prefilling the request")
+        d_leg = pool.submit(
+            pd_client.post_json,
+            pd.d_url + "/v1/completions",
+            pd_client.decode_body(body(prompt), tid, pd.bootstrap),
+        )
+        p_answer = pd_client.post_json(
+            pd.p_url + "/v1/completions", pd_client.prefill_body(body(prompt), wire.PushPrefill(tid))
+        )
+        assert p_answer["kv_transfer_params"]["pd_transfer_id"] == tid, "P prefilled and holds the blocks"
         pd.decode.kill()
         with pytest.raises(OSError):
-            pending.result(timeout=120)
-    # D died before it connected (P's lease frees the blocks) or while receiving (the broken connection does).
+            d_leg.result(timeout=60)
     wait_until(lambda: blocks_idle(pd.p_url), LEASE_S + 20, "P blocks released after D died")
     assert token_ids(pd_client.post_json(pd.p_url + "/v1/completions", body(prompt))) == pd.reference(prompt)
 

@@ -42,7 +42,7 @@ PROMPTS = [
 LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
 MAX_NEW_TOKENS = 12
 CHUNK = ("--chunked-prefill-size", "48")
-DROPPED_ROOM = 4242424242
+WRONG_KV_ROOM = 4242424242
 BOOTSTRAP_TIMEOUT_S = 10  # P gives up on a decode partner that never comes
 WAITING_TIMEOUT_S = 15  # D gives up on KV that never comes
 HEARTBEAT_TIMEOUT_S = 3.0  # a dead peer is noticed this fast
@@ -84,7 +84,7 @@ def pd_pair(
         env={
             **COMMON_ENV,
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
-            "PD_SGLANG_FAULT_DROP_KV_ROOMS": str(DROPPED_ROOM),
+            "PD_SGLANG_FAULT_WRONG_KV_ROOMS": str(WRONG_KV_ROOM),
         },
     )
     decode = sglang_server(
@@ -165,12 +165,13 @@ def test_disaggregated_output_equals_aggregated(pd_pair, reference):
     assert_drained(decode)
 
 
-def test_negative_control_dropped_kv_changes_output(pd_pair, reference):
-    """P writes only layer 0 of the room's KV: D gets the first token but decodes from stale pages."""
+def test_negative_control_wrong_kv_changes_output(pd_pair, reference):
+    """P sends its first page's KV into every page of the room (complete, but wrong: a transfer with holes
+    would fail instead): D gets the first token but decodes from KV that is not its prompt's."""
     prefill, decode, port = pd_pair
     prompt = LONG_PROMPT
     p, d = generate_pd(
-        base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS, room=DROPPED_ROOM
+        base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS, room=WRONG_KV_ROOM
     )
     assert p.ok and d.ok, (p, d)
     expected = reference[prompt].output_ids

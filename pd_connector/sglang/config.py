@@ -20,8 +20,9 @@ class SGLangBackendConfig:
     control plane (unset: no authentication; then the side channel must be on loopback unless
     ``allow_insecure``). ``allowed_prefill_addrs``/``allow_insecure``: D's peer policy (``pd_connector.trust``).
     ``connect_timeout_s``: D's connect + handshake with P.
-    ``drop_kv_rooms``: fault injection for tests (negative control): for these bootstrap rooms P writes only
-    layer 0 of the KV, so D decodes the other layers from whatever its pages held. Empty in real use."""
+    ``wrong_kv_rooms``: fault injection for tests (negative control): for these bootstrap rooms P sends its
+    first page's KV into every page D asked for (a complete transfer of the wrong bytes: a transfer with holes
+    fails instead), so D decodes from KV that is not its prompt's. Empty in real use."""
 
     transport: str = "tcp"
     lease_s: float = 60.0
@@ -32,7 +33,7 @@ class SGLangBackendConfig:
     secret: bytes | None = None
     allowed_prefill_addrs: tuple[str, ...] = ()
     allow_insecure: bool = False
-    drop_kv_rooms: frozenset[int] = frozenset()
+    wrong_kv_rooms: frozenset[int] = frozenset()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SGLangBackendConfig:
@@ -62,12 +63,12 @@ class SGLangBackendConfig:
         allowed = tuple(
             a.strip() for a in env.get("PD_SGLANG_ALLOWED_PREFILL_ADDRS", "").split(",") if a.strip()
         )
-        drop = env.get("PD_SGLANG_FAULT_DROP_KV_ROOMS", "")
+        wrong = env.get("PD_SGLANG_FAULT_WRONG_KV_ROOMS", "")
         try:
-            drop_kv_rooms = frozenset(int(r) for r in drop.split(",") if r.strip())
+            wrong_kv_rooms = frozenset(int(r) for r in wrong.split(",") if r.strip())
         except ValueError:
             raise ValueError(
-                f"PD_SGLANG_FAULT_DROP_KV_ROOMS={drop!r} is not a comma-separated list of rooms"
+                f"PD_SGLANG_FAULT_WRONG_KV_ROOMS={wrong!r} is not a comma-separated list of rooms"
             ) from None
         return cls(
             transport=transport,
@@ -79,5 +80,5 @@ class SGLangBackendConfig:
             secret=secret.encode() if secret else None,
             allowed_prefill_addrs=allowed,
             allow_insecure=insecure == "1",
-            drop_kv_rooms=drop_kv_rooms,
+            wrong_kv_rooms=wrong_kv_rooms,
         )

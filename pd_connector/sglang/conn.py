@@ -186,13 +186,14 @@ class PdKVManager(CommonKVManager):
                 table = list(pages)
             if len(table) != index_slice.stop:
                 raise ValueError(f"chunk ends at page {index_slice.stop} but {len(table)} pages were offered")
+            if bootstrap_room in self.pd_config.wrong_kv_rooms:
+                logger.warning(
+                    "pd backend: fault injection sends page 0's KV for every page of room %s", bootstrap_room
+                )
+                table = table[:1] * len(table)
             self.pd_engine.offer(tid, table)
-            layers = range(self.pd_layout.num_layers)
-            if bootstrap_room in self.pd_config.drop_kv_rooms:
-                logger.warning("pd backend: fault injection drops layers 1.. of room %s", bootstrap_room)
-                layers = range(1)
             if index_slice.stop > index_slice.start:
-                for layer in layers:
+                for layer in range(self.pd_layout.num_layers):
                     self.pd_engine.push_layer(tid, layer, index_slice.start, index_slice.stop)
             if is_last_chunk:
                 first = read_first_token(self.kv_args, aux_index) if aux_index is not None else None

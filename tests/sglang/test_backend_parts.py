@@ -63,9 +63,9 @@ def test_hook_for_pd_falls_back_to_sglang_when_our_classes_cannot_load():
 
 def test_config_from_env_parses_and_rejects_bad_values():
     cfg = SGLangBackendConfig.from_env(
-        {"PD_SGLANG_TRANSPORT": "auto", "PD_SGLANG_LEASE_S": "2.5", "PD_SGLANG_FAULT_DROP_KV_ROOMS": "1, 22"}
+        {"PD_SGLANG_TRANSPORT": "auto", "PD_SGLANG_LEASE_S": "2.5", "PD_SGLANG_FAULT_WRONG_KV_ROOMS": "1, 22"}
     )
-    assert cfg.transport == "auto" and cfg.lease_s == 2.5 and cfg.drop_kv_rooms == frozenset({1, 22})
+    assert cfg.transport == "auto" and cfg.lease_s == 2.5 and cfg.wrong_kv_rooms == frozenset({1, 22})
     assert SGLangBackendConfig.from_env({}) == SGLangBackendConfig()
     assert SGLangBackendConfig.from_env({"PD_SGLANG_TRANSPORT": "cma"}).transport == "cma"
     with pytest.raises(ValueError, match="PD_SGLANG_LEASE_S"):
