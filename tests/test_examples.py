@@ -6,12 +6,8 @@ import json
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from pd_connector.vllm.config import PDConnectorConfig
 from router.config import load_config
-
-pytestmark = pytest.mark.unit
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -18,8 +18,6 @@ from pd_disagg.servers import (
     running,
 )
 
-pytestmark = pytest.mark.unit
-
 
 def _http_server(tmp_path: Path, port: int, extra: str = "") -> ManagedServer:
     code = (

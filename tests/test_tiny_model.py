@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from pd_disagg.tiny_model import ModelSpec, build
-
-pytestmark = pytest.mark.unit
 
 SMALL = ModelSpec(
     num_layers=1,

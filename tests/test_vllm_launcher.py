@@ -9,8 +9,6 @@ import pytest
 
 from pd_disagg.vllm_launcher import _version_with_cpu_fallback, inline_json_files
 
-pytestmark = pytest.mark.unit
-
 
 def _fake_versions(table: dict[str, str]):
     def version(name: str) -> str:

@@ -10,8 +10,6 @@ import pytest
 from planner import cli, model
 from planner.profile import Profile, load_profile, save_profile
 
-pytestmark = pytest.mark.unit
-
 PLAN_ARGS = ["--isl", "6144", "--osl", "512", "--ttft", "2", "--tpot", "0.02", "--tpm", "5e6"]
 
 

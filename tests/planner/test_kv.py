@@ -9,8 +9,6 @@ import pytest
 
 from planner import kv
 
-pytestmark = pytest.mark.unit
-
 LLAMA3_70B = {
     "num_hidden_layers": 80,
     "num_attention_heads": 64,

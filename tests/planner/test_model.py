@@ -10,8 +10,6 @@ from planner import model
 from planner.model import InfeasibleError, Method, Workload
 from planner.profile import DecodePoint, Profile
 
-pytestmark = pytest.mark.unit
-
 PAPER = Workload(throughput_tokens_per_s=5e6 / 60, isl=6144, osl=512, ttft_s=2.0, tpot_s=0.02)
 
 

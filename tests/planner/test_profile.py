@@ -9,8 +9,6 @@ import pytest
 
 from planner.profile import DecodePoint, Profile, ProfileError, load_profile, save_profile
 
-pytestmark = pytest.mark.unit
-
 GOOD = {
     "prefill_max_tokens_per_s": 1000.0,
     "ttft_overhead_s": 0.05,

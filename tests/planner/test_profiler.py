@@ -17,8 +17,6 @@ from rich.console import Console
 
 from planner.profiler import ProfilerConfig, ProfilerError, measure_profile
 
-pytestmark = pytest.mark.unit
-
 TOKEN_DELAY_S = 0.002
 PREFILL_S_PER_TOKEN = 0.0001
 

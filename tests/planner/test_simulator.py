@@ -10,8 +10,6 @@ import pytest
 from planner import simulator
 from planner.profile import DecodePoint, Profile
 
-pytestmark = pytest.mark.unit
-
 PROFILE = Profile(
     prefill_max_tokens_per_s=1000.0,
     ttft_overhead_s=0.0,

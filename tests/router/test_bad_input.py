@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from router.requests import MAX_JSON_DEPTH
 from tests.router.conftest import MODEL, long_prompt
 
-pytestmark = pytest.mark.unit
-
 
 async def _error(resp, status: int, param: str | None = None) -> str:
     assert resp.status == status, await resp.text()

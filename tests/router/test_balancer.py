@@ -10,8 +10,6 @@ from router.balancer import Balancer
 from router.config import CircuitConfig, HealthConfig, WorkerConfig
 from router.health import CircuitBreaker, CircuitState, apply_check
 
-pytestmark = pytest.mark.unit
-
 
 class Clock:
     def __init__(self) -> None:

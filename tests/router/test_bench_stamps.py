@@ -10,8 +10,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from benchmarks.router import ClientStamps, Transit, added_ms, pct, transits
 from pd_disagg.fake_vllm import FakeEngine
 
-pytestmark = pytest.mark.unit
-
 
 async def _client(engine: FakeEngine) -> TestClient:
     client = TestClient(TestServer(engine.app()))

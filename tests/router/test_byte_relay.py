@@ -8,14 +8,12 @@ import contextlib
 import subprocess
 import sys
 
-import pytest
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
 from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
-
-pytestmark = pytest.mark.unit
+from tests.polling import wait_until_async
 
 
 @contextlib.asynccontextmanager
@@ -23,15 +21,17 @@ async def _relay(upstream_port: int):
     port = free_port()
     relay = subprocess.Popen([sys.executable, "-m", "benchmarks.byte_relay", str(port), str(upstream_port)])
     try:
-        for _ in range(500):  # until it listens
+
+        async def listens() -> bool:
+            assert relay.poll() is None, "the relay exited"
             try:
                 _, writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:
-                assert relay.poll() is None, "the relay exited"
-                await asyncio.sleep(0.02)
-                continue
+                return False
             writer.close()
-            break
+            return True
+
+        await wait_until_async(listens, 10, "the relay to listen")
         yield port
     finally:
         relay.kill()

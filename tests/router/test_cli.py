@@ -17,10 +17,9 @@ from aiohttp.test_utils import TestServer
 
 from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
+from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, short_prompt
 from tests.router.sse import payloads
-
-pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
@@ -54,17 +53,18 @@ async def _router(
 
 
 async def _until_ready(proc: subprocess.Popen[bytes], port: int) -> None:
+    """Until ``/ready`` answers 200 (start-up runs a first health round); fails at once if the process exits."""
     async with aiohttp.ClientSession() as session:
-        for _ in range(300):  # until it answers (start-up runs a first health round)
+
+        async def ready() -> bool:
             assert proc.poll() is None, "pd-router exited"
             try:
                 async with session.get(f"http://127.0.0.1:{port}/ready") as r:
-                    if r.status == 200:
-                        return
+                    return r.status == 200
             except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError("pd-router did not become ready")
+                return False
+
+        await wait_until_async(ready, 15, "pd-router to be ready")
 
 
 async def test_sigterm_lets_the_stream_in_flight_finish(tmp_path: Path, tokenizer_dir: Path, engine) -> None:
@@ -104,8 +104,6 @@ async def test_a_stream_longer_than_the_shutdown_timeout_is_cut(
             with pytest.raises(aiohttp.ClientPayloadError):  # the chunked body never ends properly
                 await r.read()
         assert await asyncio.to_thread(proc.wait, 10) == 0
-        for _ in range(100):  # the decode leg was closed, so the worker abandons it
-            if fake.abandoned:
-                break
-            await asyncio.sleep(0.05)
+        # the decode leg was closed, so the worker abandons it
+        await wait_until_async(lambda: fake.abandoned > 0, 5, "the worker to abandon the cut stream")
         assert fake.abandoned == 1 and fake.finished == 0

@@ -8,7 +8,6 @@ import pytest
 
 from router.config import ConfigError, Secret, load_config, parse_config
 
-pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 
 

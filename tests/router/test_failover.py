@@ -8,10 +8,9 @@ import aiohttp
 import pytest
 
 from pd_disagg.fake_vllm import generate
+from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import payloads, text_of
-
-pytestmark = pytest.mark.unit
 
 
 def _metric(text: str, name: str) -> float:
@@ -103,8 +102,11 @@ async def test_prefill_failure_lets_decode_recompute_in_pd_push(make_cluster) ->
         "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 3, "stream": True}
     )
     assert r.status == 200 and text_of(await r.read()) == " w64 w65 w66"
-    await asyncio.sleep(0.05)
-    assert _metric(await _metrics(c), "pd_router_prefill_failures_total") == 2
+
+    async def both_counted() -> bool:
+        return _metric(await _metrics(c), "pd_router_prefill_failures_total") == 2
+
+    await wait_until_async(both_counted, 2, "both prefill failures counted")
 
 
 async def test_vllm_standard_prefill_failover_then_local(make_cluster) -> None:
@@ -154,10 +156,9 @@ async def test_client_disconnect_aborts_both_legs(make_cluster) -> None:
     ):
         await r.content.readuntil(b"\n\n")
         await r.content.readuntil(b"\n\n")
-    for _ in range(100):
-        if c.decode[0].abandoned and c.prefill[0].abandoned and _idle(c):
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(
+        lambda: bool(c.decode[0].abandoned and c.prefill[0].abandoned and _idle(c)), 2, "both legs aborted"
+    )
     assert c.decode[0].abandoned == 1 and c.decode[0].finished == 0
     assert c.prefill[0].abandoned == 1 and c.prefill[0].finished == 0
     assert _idle(c)  # both leases released: the P leg was cancelled too
@@ -174,7 +175,9 @@ async def test_overload_gives_429_with_retry_after(make_cluster) -> None:
     slow = asyncio.ensure_future(
         c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
     )
-    await asyncio.sleep(0.1)
+    await wait_until_async(
+        lambda: c.state.proxy is not None and c.state.proxy.pending == 1, 2, "the slow one"
+    )
     r = await c.router.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
     assert r.status == 429 and r.headers["Retry-After"] == "3"
     assert (await r.json())["error"]["type"] == "RateLimitError"

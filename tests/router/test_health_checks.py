@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 from aiohttp import web
 
 from pd_disagg.fake_vllm import FakeEngine
@@ -15,8 +14,6 @@ from router import http1
 from router.http1 import Pool
 from router.upstream import check_health
 from tests.router.conftest import MODEL, short_prompt
-
-pytestmark = pytest.mark.unit
 
 
 async def test_a_request_after_a_quiet_spell_reuses_the_connection_health_checks_kept(

@@ -21,8 +21,6 @@ from router.health import CircuitBreaker
 from router.http1 import HttpError, Pool
 from router.upstream import UpstreamError, post_json
 
-pytestmark = pytest.mark.unit
-
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
 

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from router.metrics import EventHistogram
-
-pytestmark = pytest.mark.unit
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -8,8 +8,6 @@ import pytest
 from pd_disagg.fake_vllm import generate
 from tests.router.conftest import MODEL, long_prompt
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 async def client_and_cluster(make_cluster):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from router.config import PolicyConfig
 from router.policy import PolicyInput, PoolLoad, Route, ThresholdPolicy
 
-pytestmark = pytest.mark.unit
 CFG = PolicyConfig(
     threshold_tokens=100, prefill_saturated_tokens=1000, decode_max_active=10, decode_headroom_fraction=0.5
 )

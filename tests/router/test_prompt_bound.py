@@ -20,8 +20,6 @@ from router.tokenize import PromptTokenizer, byte_bound
 from tests.router.conftest import MODEL, long_prompt
 from tests.router.sse import payloads
 
-pytestmark = pytest.mark.unit
-
 SPECIALS = ["<s>", "</s>", "<|im_start|>"]
 CORPUS = [
     "hello world, the quick brown fox jumps over the lazy dog 0123456789",

@@ -10,15 +10,12 @@ from typing import Any
 
 import aiohttp
 import httptools
-import pytest
 
 from router import app, front, proxy
 from router.http1 import Response
 from router.metrics import EventHistogram
 from tests.router.conftest import MODEL, short_prompt
 from tests.router.sse import events, normalized
-
-pytestmark = pytest.mark.unit
 
 
 class _Transport:

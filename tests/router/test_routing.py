@@ -9,8 +9,6 @@ from pd_connector import wire
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import events, normalized, payloads, text_of
 
-pytestmark = pytest.mark.unit
-
 
 async def _direct(url: str, path: str, body: dict) -> bytes:
     async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:

@@ -11,10 +11,10 @@ import asyncio
 
 import pytest
 
+from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import text_of
 
-pytestmark = pytest.mark.unit
 FLOW = "sglang-bootstrap"
 _ROOM = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
@@ -73,10 +73,9 @@ async def test_a_request_waiting_for_prefill_goes_on_when_a_prefill_worker_frees
     waiting = asyncio.ensure_future(
         c.router.post("/v1/completions", json={"model": MODEL, "prompt": short_prompt(), "max_tokens": 2})
     )
-    for _ in range(200):  # until the request is queued in the router
-        if c.state.proxy is not None and c.state.proxy.pending == 1:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(
+        lambda: c.state.proxy is not None and c.state.proxy.pending == 1, 2, "the queued request"
+    )
     assert not waiting.done()
     worker.outstanding_tokens = 0
     c.state.balancer.prefill.notify()  # what a finished prefill leg does

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import msgspec
-import pytest
 
 from router.requests import Parsed
 from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
-
-pytestmark = pytest.mark.unit
 
 
 def ev(obj) -> bytes:

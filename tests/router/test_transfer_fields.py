@@ -20,8 +20,6 @@ from router.tokenize import PromptTokenizer
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import text_of
 
-pytestmark = pytest.mark.unit
-
 #: What a hostile client sends: hold blocks on D, dial its own listener, pair with its own SGLang room.
 CLIENT: dict[str, Any] = {
     wire.KV_TRANSFER_PARAMS: {

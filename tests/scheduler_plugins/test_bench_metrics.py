@@ -9,8 +9,6 @@ import pytest
 
 from benchmarks.scheduler import Stream, Workload, holds_target, search_static, summarize
 
-pytestmark = pytest.mark.unit
-
 
 def test_window_gaps_worst_gap_and_ttft() -> None:
     # Two decode streams tick every 0.1 s from t=0..10; the first freezes for 2 s while a long prompt

@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
 from scheduler_plugins.cost_model import CostModel, StepShape
 
-pytestmark = pytest.mark.unit
-
 # A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode; attention free (d=0) for exact arithmetic.
 LAW = (0.020, 1e-3, 1e-3, 0.0)
 

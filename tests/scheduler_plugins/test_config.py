@@ -6,8 +6,6 @@ import pytest
 
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
 
-pytestmark = pytest.mark.unit
-
 
 def test_defaults() -> None:
     settings = load_settings({"PATH": "/bin"}, None)

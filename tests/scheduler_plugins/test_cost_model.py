@@ -7,8 +7,6 @@ import pytest
 
 from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
 
-pytestmark = pytest.mark.unit
-
 TRUE = (0.012, 1.1e-3, 0.8e-3, 4e-9)  # a CPU-like law: 12 ms + 1.1 ms/prefill token + ...
 
 

@@ -19,8 +19,6 @@ from pd_connector.sglang.kv_buffers import (
     write_first_token,
 )
 
-pytestmark = pytest.mark.unit
-
 
 class Backend(enum.Enum):
     MOONCAKE = "mooncake"

@@ -4,12 +4,8 @@ is, but numpy's own arrays are not at their ends)."""
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import transport as bench
 from pd_connector.transport.hugepages import huge_page_bytes
-
-pytestmark = pytest.mark.unit
 
 
 def test_huge_page_buffers_are_aligned_and_sized() -> None:

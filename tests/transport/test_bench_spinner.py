@@ -9,8 +9,6 @@ import pytest
 
 from benchmarks import transport as bench
 
-pytestmark = pytest.mark.unit
-
 
 def _spinners() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "python-spinner"]

@@ -24,8 +24,6 @@ from pd_connector.transport.regions import RegionInfo, Spans
 
 from .conftest import ROOT, PeerProcess, local_regions
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture
 def sender() -> Iterator[CmaTransport]:

@@ -14,8 +14,6 @@ from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.coalesce import SMALL_COPIES, coalesce, coalesce_small, coalesce_vectorised
 from pd_connector.transport.regions import RegionIndex, RegionInfo, Spans, plan
 
-pytestmark = pytest.mark.unit
-
 
 def test_contiguous_blocks_become_one_run() -> None:
     copies = [BlockCopy(0, s, 100 + s) for s in range(256)]

@@ -11,8 +11,6 @@ from pd_connector.transport.cma import CmaConfig, CmaTransport
 from pd_connector.transport.factory import TransportConfig, choose_kind, create_transport
 from pd_connector.transport.tcp import TcpTransport
 
-pytestmark = pytest.mark.unit
-
 
 def test_explicit_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_kind("tcp")[0] == "tcp"

@@ -11,8 +11,6 @@ import pytest
 
 from pd_connector.transport.hugepages import advise_huge_pages, aligned_interior, huge_page_bytes
 
-pytestmark = pytest.mark.unit
-
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 
 from benchmarks.transport import python_spinner
 from pd_connector.transport.base import BlockCopy, Transport
+from tests.polling import wait_until
 
 from .conftest import TRANSPORT_IDS, TRANSPORTS, PeerProcess, build, local_regions
-
-pytestmark = pytest.mark.unit
 
 REGIONS, BLOCKS, BLOCK_BYTES = 3, 64, 4096
 
@@ -224,10 +223,7 @@ def test_detach_from_a_done_callback_does_not_deadlock(kind: str, tls: str) -> N
         transport.write("self", [BlockCopy(0, 0, 2, 2)]).add_done_callback(on_done)
         assert detached.wait(10), "detach from the I/O thread hung"
         assert (data[0, 2:] == data[0, :2]).all()
-        deadline = time.monotonic() + 5
-        while transport.attached_peers() and time.monotonic() < deadline:  # type: ignore[attr-defined]
-            time.sleep(0.01)
-        assert transport.attached_peers() == []  # type: ignore[attr-defined]
+        wait_until(lambda: transport.attached_peers() == [], 5, "the detach")  # type: ignore[attr-defined]
     finally:
         transport.close()
 
