@@ -11,6 +11,23 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+#: The environment variable of each setting: the one spelling ``from_env`` reads and docs/configuration.md
+#: (``## SGLang backend``) documents, which tests/test_docs.py checks.
+ENV = {
+    "transport": "PD_SGLANG_TRANSPORT",
+    "lease_s": "PD_SGLANG_LEASE_S",
+    "connect_timeout_s": "PD_SGLANG_CONNECT_TIMEOUT_S",
+    "abort_grace_s": "PD_SGLANG_ABORT_GRACE_S",
+    "heartbeat_interval_s": "PD_SGLANG_HEARTBEAT_INTERVAL_S",
+    "heartbeat_timeout_s": "PD_SGLANG_HEARTBEAT_TIMEOUT_S",
+    "secret": "PD_SGLANG_SECRET",
+    "allowed_prefill_addrs": "PD_SGLANG_ALLOWED_PREFILL_ADDRS",
+    "allow_insecure": "PD_SGLANG_ALLOW_INSECURE",
+    "wrong_kv_rooms": "PD_SGLANG_FAULT_WRONG_KV_ROOMS",
+}
+#: The settings that are positive numbers of seconds.
+NUMBERS = ("lease_s", "connect_timeout_s", "abort_grace_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+
 
 @dataclass(frozen=True)
 class SGLangBackendConfig:
@@ -37,48 +54,46 @@ class SGLangBackendConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SGLangBackendConfig:
-        """Read ``PD_SGLANG_*``; a malformed value raises ``ValueError`` naming the variable."""
+        """Read ``PD_SGLANG_*`` (``ENV`` names each setting's variable); a malformed value raises ``ValueError``
+        naming the variable."""
         env = os.environ if env is None else env
         defaults = cls()
 
-        def number(name: str, default: float) -> float:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
+        def raw(setting: str) -> str:
+            return env.get(ENV[setting], "")
+
+        def number(setting: str) -> float:
+            text = raw(setting)
+            if not text:
+                return float(getattr(defaults, setting))
             try:
-                value = float(raw)
+                value = float(text)
             except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a number") from None
+                raise ValueError(f"{ENV[setting]}={text!r} is not a number") from None
             if value <= 0:
-                raise ValueError(f"{name}={raw!r} must be positive")
+                raise ValueError(f"{ENV[setting]}={text!r} must be positive")
             return value
 
-        transport = env.get("PD_SGLANG_TRANSPORT", defaults.transport) or defaults.transport
+        transport = raw("transport") or defaults.transport
         if transport not in ("tcp", "ucx", "cma", "auto"):
-            raise ValueError(f"PD_SGLANG_TRANSPORT={transport!r}: expected tcp, ucx, cma or auto")
-        secret = env.get("PD_SGLANG_SECRET")
-        insecure = env.get("PD_SGLANG_ALLOW_INSECURE", "0")
+            raise ValueError(f"{ENV['transport']}={transport!r}: expected tcp, ucx, cma or auto")
+        insecure = env.get(ENV["allow_insecure"], "0")
         if insecure not in ("0", "1"):
-            raise ValueError(f"PD_SGLANG_ALLOW_INSECURE={insecure!r}: expected 0 or 1")
-        allowed = tuple(
-            a.strip() for a in env.get("PD_SGLANG_ALLOWED_PREFILL_ADDRS", "").split(",") if a.strip()
-        )
-        wrong = env.get("PD_SGLANG_FAULT_WRONG_KV_ROOMS", "")
+            raise ValueError(f"{ENV['allow_insecure']}={insecure!r}: expected 0 or 1")
+        wrong = raw("wrong_kv_rooms")
         try:
             wrong_kv_rooms = frozenset(int(r) for r in wrong.split(",") if r.strip())
         except ValueError:
             raise ValueError(
-                f"PD_SGLANG_FAULT_WRONG_KV_ROOMS={wrong!r} is not a comma-separated list of rooms"
+                f"{ENV['wrong_kv_rooms']}={wrong!r} is not a comma-separated list of rooms"
             ) from None
         return cls(
             transport=transport,
-            lease_s=number("PD_SGLANG_LEASE_S", defaults.lease_s),
-            connect_timeout_s=number("PD_SGLANG_CONNECT_TIMEOUT_S", defaults.connect_timeout_s),
-            abort_grace_s=number("PD_SGLANG_ABORT_GRACE_S", defaults.abort_grace_s),
-            heartbeat_interval_s=number("PD_SGLANG_HEARTBEAT_INTERVAL_S", defaults.heartbeat_interval_s),
-            heartbeat_timeout_s=number("PD_SGLANG_HEARTBEAT_TIMEOUT_S", defaults.heartbeat_timeout_s),
-            secret=secret.encode() if secret else None,
-            allowed_prefill_addrs=allowed,
+            secret=raw("secret").encode() or None,
+            allowed_prefill_addrs=tuple(
+                a.strip() for a in raw("allowed_prefill_addrs").split(",") if a.strip()
+            ),
             allow_insecure=insecure == "1",
             wrong_kv_rooms=wrong_kv_rooms,
+            **{setting: number(setting) for setting in NUMBERS},
         )
