@@ -3,9 +3,9 @@
 Two decode servers (one per core) behind the router. Proven here: the threshold path (a short prompt goes to
 a decode server only and its greedy output equals calling that server directly), the official ``openai``
 client through the router, and a decode server SIGKILLed mid-stream with the other one continuing the
-stream. The P/D path (PDConnector) plugs in as one more fixture: ``prefill_workers`` returns the
-``[[prefill]]`` tables of the running prefill servers (empty until the connector lands), and the config and
-tests take it from there. The kill test runs last in this module because it leaves one decode server dead.
+stream. The kill test runs last in this module because it leaves one decode server dead. The P/D path through
+the router with real PDConnector servers is proven in ``test_topologies.py`` (two P, two D, both vLLM flows)
+and ``test_examples.py`` (the shipped example files).
 """
 
 from __future__ import annotations
@@ -41,19 +41,13 @@ def decode_servers(start_servers, tiny_model: Path, log_dir: Path) -> list[Manag
     )
 
 
-@pytest.fixture(scope="module")
-def prefill_workers() -> list[dict[str, Any]]:
-    """``[[prefill]]`` entries of running PDConnector prefill servers; none yet (connector not merged)."""
-    return []
-
-
 def _toml(value: Any) -> str:
     return json.dumps(value)  # JSON strings and numbers are valid TOML values
 
 
 @pytest.fixture(scope="module")
 def router_proc(
-    start_servers, tmp_path_factory, tiny_model: Path, log_dir: Path, decode_servers, prefill_workers
+    start_servers, tmp_path_factory, tiny_model: Path, log_dir: Path, decode_servers
 ) -> ManagedServer:
     lines = [
         'flow = "pd-push"',
@@ -67,8 +61,6 @@ def router_proc(
         "[retry]",
         "backoff_base_s = 0.01",
     ]
-    for w in prefill_workers:
-        lines += ["[[prefill]]", *(f"{k} = {_toml(v)}" for k, v in w.items())]
     for d in decode_servers:
         lines += ["[[decode]]", f"url = {_toml(base_url(d))}"]
     config = tmp_path_factory.mktemp("router") / "router.toml"

@@ -2,8 +2,11 @@
 
 Layers, bottom up (engine-agnostic core first, engine adapters last):
 - ``transport/``: data plane. Registers KV memory and writes block runs into a peer's registered memory
-  (UCX through ``ucxx``: shared memory on one host, tcp/RDMA across hosts; or the asyncio TCP fallback).
-- ``protocol``, ``layout``, ``transfer/``: control plane and per-request transfer engine (handshake, leases,
-  timeouts, abort, metrics), shared by both engines.
+  (UCX through ``ucxx``: shared memory on one host, tcp/RDMA across hosts; ``cma``: ``process_vm_writev``
+  between processes of one host; or the asyncio TCP fallback).
+- ``protocol``, ``control``, ``layout``, ``trust``, ``transfer/``: control plane (messages, framed
+  connections on an I/O thread), the KV layout check, the peer policy, and the per-request transfer engine
+  (handshake, leases, timeouts, abort, metrics), shared by both engines.
+- ``wire``: the request fields a router sends each engine (docs/wire-contract.md).
 - ``vllm/`` and ``sglang/``: thin adapters that map each engine's connector API onto the transfer engine.
 """

@@ -1,7 +1,7 @@
 """Planning formulas: achievable prefill and decode throughput under the SLOs, the P/D ratio and instance counts.
 
 Pure functions of a ``Profile`` and a ``Workload`` (no I/O), called by ``planner.cli`` and the tests. The
-default method is the paper's (arXiv 2603.04716, see DESIGN.md):
+default method is the paper's (arXiv 2603.04716; docs/planner.md ``## Method`` explains each step):
 
 - prefill as an M/M/1 queue, TTFT = T_ovh + 1/(mu - lambda), mu = TP_max / L_in, so the prefill throughput
   that keeps the mean TTFT at the SLO is TP_prefill = TP_max - L_in / (TTFT - T_ovh);

@@ -1,10 +1,13 @@
 """vLLM adapter of pd_connector: ``PDConnector``, a ``KVConnectorBase_V1`` that pushes KV layer by layer.
 
-- ``connector.py``: the facade vLLM instantiates (scheduler and worker roles).
-- ``scheduler_side.py``: per-request bookkeeping in the EngineCore process; ``metadata.py``: what it sends
-  the worker each step.
-- ``worker_side.py``: the hooks next to the KV tensors; ``sender.py`` (P's side channel and pushes) and
-  ``receiver.py`` (D's loads) speak ``wire.py`` over one TCP connection per transfer.
 - ``plugin.py``: the ``vllm.general_plugins`` entry point registering the name ``PDConnector``.
-Importing this package does not import vLLM; only the modules above do.
+- ``connector.py``: the facade vLLM instantiates (scheduler and worker roles); it only routes hooks.
+- ``scheduler_side.py``: per-request decisions in the EngineCore process; ``metadata.py``: what it hands
+  the worker each step.
+- ``worker_side.py``: the hooks next to the KV tensors, driving one ``pd_connector.transfer.TransferEngine``
+  (which speaks ``pd_connector.protocol`` to the peer and moves bytes with a ``pd_connector.transport``).
+- ``config.py``: ``kv_connector_extra_config``; ``compat.py``: the vLLM versions it is proven on;
+  ``stats.py``: the ``vllm:pd_connector_*`` metrics.
+Importing this package does not import vLLM; ``connector``, ``metadata``, ``stats`` and (when called)
+``plugin`` and ``compat`` do.
 """
