@@ -2,7 +2,7 @@
 
 Used by ``upstream.py`` in the router process for every leg to a worker and every health check.
 Why not aiohttp's client: its request machinery cost ~5x the CPU of the exchange itself per request
-(docs/performance.md, ## router), and the router makes one or two legs per client request. Parsing is
+(docs/performance-history.md, ## router), and the router makes one or two legs per client request. Parsing is
 llhttp's (``httptools``, the parser uvicorn uses): status, headers, chunked transfer decoding,
 Content-Length and keep-alive rules are its job; this module only moves bytes and pools connections.
 

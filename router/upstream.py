@@ -79,7 +79,8 @@ async def check_health(pool: Pool, url: str, timeout_s: float) -> bool:
 
     It goes over the legs' own keep-alive pool on purpose: a health round every ``health.interval_s`` keeps
     a connection to each worker in use, so the first request after a quiet spell finds a live one instead
-    of paying for a new connection (about 1 ms on loopback, measured in docs/performance.md ## router).
+    of paying for a new connection (about 1 ms on loopback, measured in docs/performance-history.md
+    ``## router``).
     """
     key, head = _health_target(url)
     resp: Response | None = None
