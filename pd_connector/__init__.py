@@ -1,6 +1,7 @@
 """pd_connector: move the KV cache from prefill (P) to decode (D) engine processes.
 
-Layers, bottom up (engine-agnostic core first, engine adapters last):
+Layers, bottom up (engine-agnostic core first, engine adapters last; pd_connector/README.md walks them top
+down and has the support matrix):
 - ``transport/``: data plane. Registers KV memory and writes block runs into a peer's registered memory
   (UCX through ``ucxx``: shared memory on one host, tcp/RDMA across hosts; ``cma``: ``process_vm_writev``
   between processes of one host; or the asyncio TCP fallback).

@@ -6,6 +6,7 @@ else: ``PDConnectorConfig`` (``## vLLM PDConnector``, the ``kv_connector_extra_c
 (``## SGLang backend``), ``TransportConfig`` (``## transport``), the router's Structs (``## router``, one table
 per TOML table) and ``SchedulerSettings`` (``## scheduler_plugins``). docs/wire-contract.md names every Struct
 and field of ``pd_connector.wire``, and no field, Struct or ``wire.`` name that is not there.
+pd_connector/README.md's reading path names only files that exist.
 
 A documented default is the table's first backticked value in the default column, read as JSON, else as a
 Python literal, else as text; ``required`` marks a field without a default, and the name of another setting
@@ -32,7 +33,8 @@ from pd_connector.vllm.config import PDConnectorConfig
 from router.config import RouterConfig, WorkerConfig
 from scheduler_plugins.config import SchedulerSettings
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 REQUIRED = ("required", "(required)")
 _CELL_SPLIT = re.compile(r"(?<!\\)\|")
 
@@ -272,3 +274,19 @@ def test_the_wire_contract_names_nothing_that_is_not_in_the_module() -> None:
     named = set(re.findall(r"(?<![\w:./])((?:pd|do_remote|remote|bootstrap)_[a-z_]*[a-z])\b", text))
     not_fields = {n for n in named if n.startswith(("pd_router_", "pd_connector", "pd_disagg", "pd_client"))}
     assert named - not_fields - fields == set(), "fields the module does not have"
+
+
+def test_the_connector_reading_path_names_files_that_exist() -> None:
+    """Every file or folder pd_connector/README.md names in backticks exists (``tests/...`` and
+    ``integration_tests/...`` from the repository root, the rest from pd_connector/)."""
+    readme = ROOT / "pd_connector" / "README.md"
+    named = set(re.findall(r"`((?:[\w.]+/)*[\w.]+(?:\.py|/))`", readme.read_text()))
+    assert len(named) > 20, "the reading path names the modules it walks through"
+    missing = {
+        path
+        for path in named
+        if not (
+            ROOT / path if path.startswith(("tests/", "integration_tests/")) else readme.parent / path
+        ).exists()
+    }
+    assert missing == set()

@@ -8,6 +8,6 @@
   (which speaks ``pd_connector.protocol`` to the peer and moves bytes with a ``pd_connector.transport``).
 - ``config.py``: ``kv_connector_extra_config``; ``compat.py``: the vLLM versions it is proven on;
   ``stats.py``: the ``vllm:pd_connector_*`` metrics.
-Importing this package does not import vLLM; ``connector``, ``metadata``, ``stats`` and (when called)
-``plugin`` and ``compat`` do.
+Reading order and support matrix: pd_connector/README.md. Importing this package does not import vLLM;
+``connector``, ``metadata``, ``stats`` and (when called) ``plugin`` and ``compat`` do.
 """
