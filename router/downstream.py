@@ -1,4 +1,4 @@
-"""The client's side of one request as ``proxy.py`` sees it, whichever HTTP server carries it.
+"""The client's side of one request as ``proxy.py`` (and ``relay.py``) see it, whichever HTTP server carries it.
 
 Two servers carry client requests in the router process: the lean front (``front.py``) for the completion
 endpoints and aiohttp for everything else (and for completions on connections aiohttp already owns). The
@@ -47,7 +47,7 @@ class Downstream(Protocol):
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        """The client's transport, which ``proxy._Pump`` writes relayed events to directly."""
+        """The client's transport, which ``relay.Pump`` writes relayed events to directly."""
         ...
 
     async def start(self, headers: Mapping[str, str]) -> None:

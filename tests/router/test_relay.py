@@ -1,4 +1,4 @@
-"""The streamed relay's callback path (``Response.divert`` + ``_Pump``): framing, slow clients, failures."""
+"""The streamed relay's callback path (``Response.divert`` + ``Pump``): framing, slow clients, failures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import httptools
 
-from router import app, front, proxy
+from router import app, front, relay
 from router.http1 import Response
 from router.metrics import EventHistogram
 from tests.router.conftest import MODEL, short_prompt
@@ -19,7 +19,7 @@ from tests.router.sse import events, normalized
 
 
 class _Transport:
-    """The client side of a ``_Pump``: records writes, reports a settable buffer size."""
+    """The client side of a ``Pump``: records writes, reports a settable buffer size."""
 
     def __init__(self) -> None:
         self.written: list[bytes] = []
@@ -37,7 +37,7 @@ class _Transport:
 
 
 class _Upstream:
-    """The upstream side of a ``_Pump``: counts wake-ups and pause/resume calls."""
+    """The upstream side of a ``Pump``: counts wake-ups and pause/resume calls."""
 
     def __init__(self) -> None:
         self.wakes = 0
@@ -50,10 +50,10 @@ class _Upstream:
         self.paused.append(paused)
 
 
-def _pump(transform=lambda b: b) -> tuple[proxy._Pump, _Transport, _Upstream]:
+def _pump(transform=lambda b: b) -> tuple[relay.Pump, _Transport, _Upstream]:
     out, up = _Transport(), _Upstream()
     itl = EventHistogram("gaps", "gaps", "route", (0.1,)).series("local")
-    return proxy._Pump(out, True, transform, itl, up), out, up  # type: ignore[arg-type]
+    return relay.Pump(out, True, transform, itl, up), out, up  # type: ignore[arg-type]
 
 
 def test_pump_writes_complete_events_as_chunks_and_keeps_partial_ones() -> None:
@@ -70,7 +70,7 @@ def test_pump_writes_complete_events_as_chunks_and_keeps_partial_ones() -> None:
 
 def test_pump_pauses_the_upstream_while_the_client_is_behind() -> None:
     pump, out, up = _pump()
-    out.buffered = proxy._HIGH_WATER + 1
+    out.buffered = relay.HIGH_WATER + 1
     pump.feed(b"data: 1\n\n")
     assert pump.paused and up.paused == [True] and up.wakes == 1
     pump.feed(b"data: 2\n\n")  # already read when reading stopped: written, no second pause
@@ -83,7 +83,7 @@ def test_pump_keeps_failures_for_the_handler() -> None:
     pump, out, up = _pump()
     out.closing = True
     pump.feed(b"data: 1\n\n")
-    assert isinstance(pump.failure, proxy._ClientGone) and out.written == []
+    assert isinstance(pump.failure, relay.ClientGone) and out.written == []
 
     def broken(batch: bytes) -> bytes:
         raise ValueError("bad event")

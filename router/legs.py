@@ -1,0 +1,170 @@
+"""The legs of one attempt: D's body and P's concurrent leg per flow, D's first event, and who is to blame.
+
+Used by ``proxy.py`` (a request's attempts) and ``resume.py`` (a broken stream's continuations), in the router
+process, one coroutine per request. Per flow (docs/wire-contract.md): pd-push sends P and D together with one
+transfer id; vllm-standard sends P first and D what P returned, trying other P on failure and prefilling on
+D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
+(``guarded``), since SGLang's decode server cannot prefill alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable
+from typing import Any
+
+import msgspec
+
+from router.balancer import Balancer, Worker
+from router.config import RouterConfig
+from router.http1 import Pool, Response
+from router.metrics import RouterMetrics
+from router.upstream import (
+    UpstreamError,
+    bootstrap_room,
+    decode_body,
+    open_stream,
+    post_json,
+    prefill_body,
+    read_event,
+    returned_params,
+    transfer_id,
+)
+
+
+class PrefillFailed(UpstreamError):
+    """The P leg failed and the D leg cannot go on without it (sglang-bootstrap); D is not to blame."""
+
+
+class Legs:
+    """Builds and sends the legs of one attempt; shares the router's settings, workers, pool and metrics."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        balancer: Balancer,
+        upstream: Pool,
+        metrics: RouterMetrics,
+        rng: random.Random,
+    ) -> None:
+        self.cfg = cfg
+        self.balancer = balancer
+        self.upstream = upstream
+        self.metrics = metrics
+        self.rng = rng
+
+    def fail(self, worker: Worker, e: UpstreamError, failed: set[Worker]) -> None:
+        self.metrics.worker_errors.labels(worker.role, worker.url, e.kind).inc()
+        if e.worker_fault:
+            worker.circuit.record_failure()
+            failed.add(worker)
+
+    def blame(self, e: UpstreamError, decode: Worker, prefill: Worker | None, failed: set[Worker]) -> None:
+        """Record a failed attempt against the worker that caused it (its P leg was already counted)."""
+        if isinstance(e, PrefillFailed):
+            if prefill is not None:
+                failed.add(prefill)
+        else:
+            self.fail(decode, e, failed)
+
+    async def start(
+        self,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes | None,
+        tokens: int,
+        prefill: Worker | None,
+        failed: set[Worker],
+        extra: dict[str, Any],
+    ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
+        """D's body for ``body`` (plus ``extra`` fields), whether it is the local path, and a concurrent P leg.
+
+        ``raw``: ``body``'s bytes when the client sent exactly these (forwarded as they are on the local
+        path); ``tokens``: the prompt length P's lease counts.
+        """
+        local = raw if raw is not None and not extra else msgspec.json.encode({**body, **extra})
+        if prefill is None:
+            return local, True, None
+        flow = self.cfg.flow
+        transfer, room = transfer_id(), bootstrap_room(self.rng)
+        p_body = prefill_body(body, flow, transfer, prefill, room)
+        if flow == "vllm-standard":
+            for candidate in self._prefill_candidates(prefill, failed):
+                try:
+                    data = await self._post_prefill(candidate, path, p_body, tokens)
+                    params = returned_params(data)
+                except UpstreamError as e:
+                    self.fail(candidate, e, failed)
+                    continue
+                d_body = decode_body(body, flow, transfer, candidate, room, params)
+                return msgspec.json.encode({**d_body, **extra}), False, None
+            return local, True, None  # no prefill worker succeeded: D prefills locally
+        task = asyncio.create_task(self._post_prefill(prefill, path, p_body, tokens))
+        task.add_done_callback(_consume)
+        d_body = decode_body(body, flow, transfer, prefill, room)
+        return msgspec.json.encode({**d_body, **extra}), False, task
+
+    def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
+        others = [w for w in self.balancer.prefill.usable() if w is not first and w not in failed]
+        return [first, *others[: self.cfg.retry.max_attempts - 1]]
+
+    async def _post_prefill(self, prefill: Worker, path: str, body: bytes, tokens: int) -> bytes:
+        with self.balancer.lease(prefill, tokens):
+            try:
+                data = await post_json(self.upstream, prefill, path, body)
+            except UpstreamError as e:
+                self.metrics.prefill_failures.labels(self.cfg.flow).inc()
+                if e.worker_fault:
+                    prefill.circuit.record_failure()
+                self.metrics.worker_errors.labels(prefill.role, prefill.url, e.kind).inc()
+                raise
+        prefill.circuit.record_success()
+        return data
+
+    async def guarded(self, p_task: asyncio.Task[bytes] | None, leg: Awaitable[Any]) -> Any:
+        """Await a D leg; in sglang-bootstrap a failed P leg aborts it (SGLang's D cannot prefill alone)."""
+        if p_task is None or self.cfg.flow != "sglang-bootstrap":
+            return await leg
+        d_task = asyncio.ensure_future(leg)
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and p_task.exception() is not None and not d_task.done():
+                d_task.cancel()
+                raise PrefillFailed("prefill", "prefill leg failed; SGLang decode cannot continue without it")
+            return await d_task
+        finally:
+            if not d_task.done():
+                d_task.cancel()
+
+    async def first_event(self, worker: Worker, path: str, body: bytes) -> tuple[Response, bytes]:
+        """Open D's stream and read its first event within ``timeouts.first_byte_s``."""
+        resp: Response | None = None
+        try:
+            async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
+                resp = await open_stream(self.upstream, worker, path, body)
+                first = await read_event(resp, worker)
+        except TimeoutError:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError("timeout", f"no first token from {worker.url}") from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        if not first.endswith(b"\n\n"):
+            resp.close()
+            raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
+        return resp, first
+
+
+def _consume(task: asyncio.Task[bytes]) -> None:
+    """Retrieve a P leg's exception so asyncio does not log it as unhandled (it is already counted)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def cancel(task: asyncio.Task[bytes] | None) -> None:
+    """Stop a P leg that is still running (its attempt ended)."""
+    if task is not None and not task.done():
+        task.cancel()

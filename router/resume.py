@@ -1,0 +1,115 @@
+"""Continuing a stream whose decode worker failed after the client got its first bytes.
+
+Called by ``proxy.py`` once a relayed stream broke (router process, the request's coroutine). The client keeps
+its stream: the continuation (``streaming.continuation``: the prompt plus the tokens delivered so far) goes to
+another decode worker, at most ``retry.max_resumes`` times, and ``streaming.Stitcher`` makes its events read
+as the rest of the first stream. The continuation goes to D alone, which prefills the prompt and the delivered
+tokens itself, or, where D cannot prefill (sglang-bootstrap), P->D like a new request. A stream that cannot be
+resumed ends with an OpenAI error event, one whose tokens were all delivered as vLLM would end it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from router.balancer import Worker
+from router.downstream import Downstream
+from router.legs import Legs, cancel
+from router.relay import relay, write, write_error
+from router.requests import Parsed
+from router.streaming import DONE, Stitcher, StreamState, continuation
+from router.upstream import UpstreamError
+
+# The request's own logger: everything that happens to one request logs under one name, as before the split.
+log = logging.getLogger("router.proxy")
+
+
+async def resume(
+    legs: Legs,
+    client: Downstream,
+    parsed: Parsed,
+    path: str,
+    state: StreamState | None,
+    err: UpstreamError,
+    failed: set[Worker],
+    route: str,
+    strip: bool,
+) -> None:
+    """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
+    cfg, balancer, metrics = legs.cfg, legs.balancer, legs.metrics
+    for _ in range(cfg.retry.max_resumes if state is not None else 0):
+        assert state is not None
+        body = continuation(parsed, state)
+        if body is None or state.finished:
+            await _finish(client, state, parsed)
+            return
+        decode = balancer.pick_decode(cfg.policy.decode_max_active, failed)
+        if decode is None:
+            break
+        prefill = None
+        if not cfg.decode_prefills():  # SGLang's D cannot prefill the continuation itself
+            prefill = balancer.pick_prefill(failed)
+            if prefill is None:
+                break
+        metrics.resumes.inc()
+        log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
+        extra = {"return_token_ids": True} if strip or "return_token_ids" in parsed.body else {}
+        stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip)
+        tokens = parsed.prompt_tokens + state.tokens
+        d_body, _, p_task = await legs.start(path, body, None, tokens, prefill, failed, extra)
+        try:
+            with balancer.lease(decode):
+                try:
+                    resp, first = await legs.guarded(p_task, legs.first_event(decode, path, d_body))
+                except UpstreamError as e:
+                    legs.blame(e, decode, prefill, failed)
+                    err = e
+                    continue
+                try:
+                    result = await relay(
+                        client,
+                        resp,
+                        decode,
+                        first,
+                        state,
+                        stitcher,
+                        strip,
+                        metrics,
+                        route,
+                        cfg.timeouts.idle_s,
+                    )
+                finally:
+                    resp.close()
+        finally:
+            cancel(p_task)
+        if result is None:
+            decode.circuit.record_success()
+            return
+        legs.fail(decode, result, failed)
+        err = result
+    await write_error(client, f"the decode worker failed mid-stream and could not be resumed: {err}")
+
+
+async def _finish(client: Downstream, state: StreamState, parsed: Parsed) -> None:
+    """All tokens were delivered before the worker died: close the stream as vLLM would."""
+    opts = parsed.body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("include_usage"):
+        prompt_tokens = await parsed.exact_prompt_tokens()
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + state.tokens,
+            "completion_tokens": state.tokens,
+        }
+        obj = "text_completion" if parsed.kind == "completions" else "chat.completion.chunk"
+        chunk = {
+            "id": state.id,
+            "object": obj,
+            "created": state.created,
+            "model": parsed.body["model"],
+            "choices": [],
+            "usage": usage,
+        }
+        await write(client, b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+    await write(client, DONE)
