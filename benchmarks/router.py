@@ -2,7 +2,7 @@
 
     python -m benchmarks.router [--tokenizer DIR] [--reps 3] [--scale 1] [--token-delay-ms 5]
 
-Processes: a fake vLLM upstream (``pd_disagg.fake_vllm``, exact vLLM framing, no model) and this load
+Processes: a fake vLLM upstream (``test_support.fake_vllm``, exact vLLM framing, no model) and this load
 generator share core 1; ``pd-router``, ``sglang-router`` (0.3.2, from PyPI) and the byte relay are pinned to
 core 0 with taskset, one measured at a time (the others idle meanwhile). Every request is a streamed 64-token
 completion. The upstream paces its tokens (``--token-delay-ms``, default 5 ms: 200 tokens/s per stream, faster
@@ -56,8 +56,8 @@ from typing import NamedTuple, cast
 import httptools
 from aiohttp import web
 
-from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import ManagedServer, free_port, process_group_cpu_seconds
+from test_support.fake_vllm import FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "fake-model"

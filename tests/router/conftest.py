@@ -1,6 +1,6 @@
 """Fixtures for router unit tests: a small local tokenizer, fake vLLM engines on real HTTP, a router in front.
 
-The fake engines (``pd_disagg.fake_vllm``) are aiohttp servers on loopback speaking vLLM's OpenAI protocol
+The fake engines (``test_support.fake_vllm``) are aiohttp servers on loopback speaking vLLM's OpenAI protocol
 byte for byte, so the router under test exercises its real HTTP client, SSE relay and failover code.
 """
 
@@ -19,10 +19,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from aiohttp.web_runner import AppRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from pd_disagg.fake_vllm import FakeEngine, Pairings
 from router.app import STATE, RouterState, make_app
 from router.config import RouterConfig, parse_config
 from router.front import FrontRunner
+from test_support.fake_vllm import FakeEngine, Pairings
 
 MODEL = "fake-model"
 CHAT_TEMPLATE = (

@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from benchmarks.router import ClientStamps, Transit, added_ms, pct, transits
-from pd_disagg.fake_vllm import FakeEngine
+from test_support.fake_vllm import FakeEngine
 
 
 async def _client(engine: FakeEngine) -> TestClient:

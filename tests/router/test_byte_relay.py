@@ -11,8 +11,8 @@ import sys
 from aiohttp import ClientSession, ClientTimeout
 from aiohttp.test_utils import TestServer
 
-from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
+from test_support.fake_vllm import FakeEngine
 from tests.polling import wait_until_async
 
 

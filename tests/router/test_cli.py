@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
+from test_support.fake_vllm import FakeEngine
 from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, short_prompt
 from tests.router.sse import payloads

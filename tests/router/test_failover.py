@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from pd_disagg.fake_vllm import generate
+from test_support.fake_vllm import generate
 from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import payloads, text_of

@@ -8,11 +8,11 @@ import time
 
 from aiohttp import web
 
-from pd_disagg.fake_vllm import FakeEngine
 from pd_disagg.servers import free_port
 from router import http1
 from router.http1 import Pool
 from router.upstream import check_health
+from test_support.fake_vllm import FakeEngine
 from tests.router.conftest import MODEL, short_prompt
 
 

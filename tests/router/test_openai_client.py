@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from pd_disagg.fake_vllm import generate
+from test_support.fake_vllm import generate
 from tests.router.conftest import MODEL, long_prompt
 
 

@@ -15,7 +15,7 @@ prefill for a remote decode (vLLM's standard flow), it answers ``kv_transfer_par
 transfer id or SGLang room; a failing one takes none), as a real D waits for P's KV, so tests see both legs
 of a pair whatever order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real
 one recomputes). Runs in-process (aiohttp test server) or as a process:
-``python -m pd_disagg.fake_vllm --port 8100`` (the benchmark's upstream).
+``python -m test_support.fake_vllm --port 8100`` (the benchmark's upstream).
 
 For the router benchmark (``stamps={}``) it records, per streamed request, when the request arrived and when
 its first and its ``[DONE]`` event were handed to the socket, on CLOCK_MONOTONIC (``time.monotonic_ns``,

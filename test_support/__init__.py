@@ -1,0 +1,6 @@
+"""Test doubles shared by the unit tests and the benchmarks; not part of the shipped package.
+
+``fake_vllm``: a fake vLLM OpenAI server with vLLM's exact framing, the router tests' engines and the router
+benchmark's upstream. It lives outside ``pd_disagg`` (the shipped commands: tiny model, launcher, demo, server
+harness) so that nothing installed with ``pip install pd-disagg`` is a stand-in for an engine.
+"""
