@@ -110,24 +110,31 @@ class Transfers:
         return _Counts.read(self.prefill, self.decode)
 
     def check(
-        self, requests: int, blocks: int | None = None, local_tokens: int = 0, timeout_s: float = 20.0
+        self,
+        requests: int,
+        blocks: int | None = None,
+        local_tokens: int = 0,
+        decode_ranks: int = 1,
+        timeout_s: float = 20.0,
     ) -> None:
         """``requests`` loads completed with nothing failed, refused or recomputed; with ``blocks``, P sent
         and D received exactly that many KV blocks (else: equal bytes on both sides, at least a block each).
-        ``local_tokens``: prompt tokens D computed meanwhile for requests it served alone (the local path)."""
+        ``local_tokens``: prompt tokens D computed meanwhile for requests it served alone (the local path).
+        ``decode_ranks``: D's TP size (each D rank counts its own completed load; bytes add up over ranks)."""
         before = self.before
+        loads = requests * decode_ranks
 
         def settled() -> bool:
             now = self.now()
             return (
-                now.loaded - before.loaded >= requests
+                now.loaded - before.loaded >= loads
                 and now.sent - before.sent == now.received - before.received
             )
 
-        wait_until(settled, timeout_s, f"{requests} completed loads with P's and D's byte counts agreeing")
+        wait_until(settled, timeout_s, f"{loads} completed loads with P's and D's byte counts agreeing")
         now = self.now()
         moved = now.received - before.received
-        assert now.loaded - before.loaded == requests, "every request loaded exactly once"
+        assert now.loaded - before.loaded == loads, "every request loaded exactly once on every D rank"
         assert now.failures == before.failures, "no transfer failed (a failed load is recomputed)"
         assert now.refused == before.refused, "no request's transfer parameters were refused"
         if blocks is not None:

@@ -10,11 +10,17 @@ vLLM's CPU cache ``[blocks, heads, tokens, K|V]``) or two ("split": a K buffer a
 ``k_buffer``/``v_buffer`` or flash-attention's ``[2, blocks, tokens, heads, dim]``). Buffers are arrays of
 equal blocks of ``block_tokens`` tokens. Within a block the data is either token-major
 (``[tokens, heads, dim]``: a block is a run of per-token slices, so any token range is contiguous) or
-heads-major (``[heads, tokens, dim]``: only whole blocks are contiguous).
+heads-major (``[heads, tokens, dim]``: each head's part of a block is contiguous).
 
-Transports address memory in *granules* (``MemoryRegion.block_bytes``): one token for token-major layouts,
-one block for heads-major layouts. Two compatible layouts always have the same granule size in bytes, so a
-copy list in granules is valid on both sides even when P and D use different block sizes.
+Transports address memory in *granules* (``MemoryRegion.block_bytes``): one token (all its heads) for
+token-major layouts, one head of one block for heads-major layouts. Two compatible layouts always have the
+same granule size in bytes, so a copy list in granules is valid on both sides even when P and D use different
+block sizes (token-major) or hold different KV heads (heads-major).
+
+Tensor parallelism. Each TP rank holds a contiguous share of the model's KV heads (``rank_heads``, vLLM's
+split: replicated when there are more ranks than heads). A decode rank takes each of its heads from the first
+prefill rank holding it (``head_plan``), so a replicated head is sent once; a P rank and a D rank of different
+TP sizes exchange a head range of every block: one run per block, whatever the number of tokens.
 """
 
 from __future__ import annotations
@@ -47,11 +53,32 @@ class LayoutMismatch(ValueError):
         self.fields = tuple(fields)
 
 
+def rank_heads(tp_size: int, tp_rank: int, total_kv_heads: int) -> range:
+    """The model's KV heads TP rank ``tp_rank`` of ``tp_size`` holds (vLLM's split).
+
+    ``tp_size <= total_kv_heads``: equal contiguous shares. More ranks than heads: each head is replicated on
+    ``tp_size // total_kv_heads`` consecutive ranks. Other splits are not vLLM's and raise ``ValueError``.
+    """
+    if not 0 <= tp_rank < tp_size or total_kv_heads <= 0:
+        raise ValueError(f"TP rank {tp_rank} of {tp_size} with {total_kv_heads} KV heads")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise ValueError(f"{total_kv_heads} KV heads do not split evenly over TP {tp_size}")
+        per = total_kv_heads // tp_size
+        return range(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % total_kv_heads:
+        raise ValueError(f"TP {tp_size} does not replicate {total_kv_heads} KV heads evenly")
+    head = tp_rank // (tp_size // total_kv_heads)
+    return range(head, head + 1)
+
+
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one engine worker's KV cache is laid out in memory (sent in the handshake).
 
-    ``kv_split``: False when K and V share one buffer per layer (packed), True for separate K and V buffers.
-    ``token_major``: True when tokens are the outermost axis inside a block (``[tokens, heads, dim]``).
+    ``num_kv_heads``: the heads this worker holds. ``kv_split``: False when K and V share one buffer per layer
+    (packed), True for separate K and V buffers. ``token_major``: True when tokens are the outermost axis
+    inside a block (``[tokens, heads, dim]``). ``tp_size``/``tp_rank``/``total_kv_heads``: the worker's
+    tensor-parallel rank and the model's KV heads (``total_kv_heads`` 0: no tensor parallelism).
     """
 
     num_layers: int
@@ -61,13 +88,37 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str
     kv_split: bool
     token_major: bool
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "block_tokens", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        held = rank_heads(self.tp_size, self.tp_rank, self.model_kv_heads)
+        if len(held) != self.num_kv_heads:
+            raise ValueError(
+                f"KVLayout: TP rank {self.tp_rank} of {self.tp_size} holds {len(held)} of the model's "
+                f"{self.model_kv_heads} KV heads, not {self.num_kv_heads}"
+            )
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads (over all TP ranks)."""
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
+
+    @property
+    def heads(self) -> range:
+        """The model's KV heads this worker holds, in the order of its cache."""
+        return rank_heads(self.tp_size, self.tp_rank, self.model_kv_heads)
+
+    def at_rank(self, tp_rank: int) -> KVLayout:
+        """The layout of another TP rank of the same engine (same shape per head, its own heads)."""
+        heads = rank_heads(self.tp_size, tp_rank, self.model_kv_heads)
+        return msgspec.structs.replace(self, tp_rank=tp_rank, num_kv_heads=len(heads))
 
     @property
     def buffers_per_layer(self) -> int:
@@ -87,12 +138,18 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def granule_tokens(self) -> int:
-        """Tokens per transport addressing unit: 1 when any token range is contiguous, else a block."""
-        return 1 if (self.token_major or self.num_kv_heads == 1) else self.block_tokens
+        """Tokens per transport addressing unit: 1 for token-major layouts, a block for heads-major ones."""
+        return 1 if self.token_major else self.block_tokens
+
+    @property
+    def granules_per_block(self) -> int:
+        """Granules in one block: one per token (token-major), one per head (heads-major)."""
+        return self.block_tokens if self.token_major else self.num_kv_heads
 
     @property
     def granule_bytes(self) -> int:
-        return self.token_bytes * self.granule_tokens
+        """Bytes of one granule: a token with all its heads, or one head's part of a block."""
+        return self.block_bytes // self.granules_per_block
 
     def compat_hash(self) -> str:
         """Hex SHA-256 of the canonical encoding: equal hashes mean identical layouts (fast path)."""
@@ -124,7 +181,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return layer * self.buffers_per_layer + kv
 
 
-_MUST_MATCH = ("num_layers", "num_kv_heads", "head_dim", "dtype", "kv_split")
+_MUST_MATCH = ("num_layers", "model_kv_heads", "head_dim", "dtype", "kv_split")
 
 
 def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
@@ -133,7 +190,8 @@ def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
     Different block sizes are mapped when both sides are token-major (a D block of 32 tokens is two
     P blocks of 16 laid end to end); heads-major blocks of different sizes interleave heads and tokens
     differently and are refused. K/V packed versus split changes the byte order inside every token and
-    is refused as well.
+    is refused as well. Different TP sizes (different heads per rank) need heads-major blocks, where a head's
+    part of a block is contiguous; token-major caches would need a write per token and head (refused).
     """
     diffs = [
         f"{name}: prefill {getattr(prefill, name)!r} vs decode {getattr(decode, name)!r}"
@@ -141,7 +199,13 @@ def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
         if getattr(prefill, name) != getattr(decode, name)
     ]
     fields = [name for name in _MUST_MATCH if getattr(prefill, name) != getattr(decode, name)]
-    if prefill.granule_tokens == 1 and decode.granule_tokens == 1:
+    if prefill.tp_size != decode.tp_size and (prefill.token_major or decode.token_major):
+        fields.append("tp_size")
+        diffs.append(
+            f"tp_size: prefill {prefill.tp_size} vs decode {decode.tp_size} with a token-major cache: "
+            "different tensor parallelism needs heads-major blocks (or equal TP sizes)"
+        )
+    if prefill.token_major and decode.token_major:
         pass  # any block sizes map token by token
     elif prefill.block_tokens != decode.block_tokens or prefill.token_major != decode.token_major:
         fields.append("block_tokens" if prefill.block_tokens != decode.block_tokens else "token_major")
@@ -154,6 +218,64 @@ def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
         raise LayoutMismatch("KV layout mismatch: " + "; ".join(diffs), fields)
 
 
+class HeadSlice(msgspec.Struct, frozen=True):
+    """Heads ``[dst_head, dst_head + num_heads)`` of a D rank come from heads ``[src_head, ...)`` of P rank
+    ``prefill_rank`` (head indices local to each rank's cache)."""
+
+    prefill_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def _first_holder(prefill_tp: int, total: int, head: int) -> int:
+    """The first P rank holding ``head``: the one that sends it (a replicated head is sent once)."""
+    return next(r for r in range(prefill_tp) if head in rank_heads(prefill_tp, r, total))
+
+
+def head_plan(prefill_tp: int, decode: KVLayout) -> list[HeadSlice]:
+    """Where each of D rank's heads comes from, as few slices as possible (one per P rank involved)."""
+    total = decode.model_kv_heads
+    mine = decode.heads
+    plan: list[HeadSlice] = []
+    for local, head in enumerate(mine):
+        rank = _first_holder(prefill_tp, total, head)
+        src = head - rank_heads(prefill_tp, rank, total).start
+        last = plan[-1] if plan else None
+        if last is not None and last.prefill_rank == rank and last.src_head + last.num_heads == src:
+            plan[-1] = HeadSlice(rank, last.src_head, last.dst_head, last.num_heads + 1)
+        else:
+            plan.append(HeadSlice(rank, src, local, 1))
+    return plan
+
+
+def fanout(prefill: KVLayout, decode_tp: int) -> int:
+    """How many D ranks (of a decode engine with TP ``decode_tp``) take heads from this P rank; 0: none
+    (every head it holds is replicated and sent by a lower rank), so it never holds blocks for a decode."""
+    return sum(
+        any(
+            s.prefill_rank == prefill.tp_rank
+            for s in head_plan(prefill.tp_size, _rank_of(prefill, decode_tp, r))
+        )
+        for r in range(decode_tp)
+    )
+
+
+def sends_heads(prefill: KVLayout) -> bool:
+    """Whether this P rank is the first holder of any of its heads (else every D rank takes them elsewhere)."""
+    total = prefill.model_kv_heads
+    return any(_first_holder(prefill.tp_size, total, h) == prefill.tp_rank for h in prefill.heads)
+
+
+def _rank_of(model: KVLayout, tp_size: int, tp_rank: int) -> KVLayout:
+    """A layout of rank ``tp_rank`` of an engine with TP ``tp_size`` serving ``model``'s KV heads."""
+    total = model.model_kv_heads
+    heads = rank_heads(tp_size, tp_rank, total)
+    return msgspec.structs.replace(
+        model, tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=len(heads), total_kv_heads=total
+    )
+
+
 @dataclass(frozen=True)
 class BlockMapping:
     """Copies one token range of a request from P's block table into D's (both in token order)."""
@@ -162,13 +284,19 @@ class BlockMapping:
     decode: KVLayout
 
     def runs(
-        self, src_blocks: Sequence[int], dst_blocks: Sequence[int], start_token: int, end_token: int
+        self,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        start_token: int,
+        end_token: int,
+        heads: HeadSlice | None = None,
     ) -> list[tuple[int, int, int]]:
         """Coalesced ``(src granule, dst granule, granules)`` runs moving tokens ``[start_token, end_token)``.
 
-        The same runs serve every layer (only the region differs), so callers compute them once per range.
-        Heads-major layouts copy whole blocks, so the range is widened to block boundaries. Raises
-        ``ValueError`` when a table is too short for the range.
+        ``heads``: the head slice D takes from this P (None: every head; both sides hold the same ones). The
+        same runs serve every layer (only the region differs), so callers compute them once per range.
+        Heads-major layouts copy whole blocks (of the slice's heads), so the range is widened to block
+        boundaries. Raises ``ValueError`` when a table is too short for the range or the slice does not fit.
         """
         g = self.prefill.granule_tokens
         start, end = (start_token // g) * g, -(-end_token // g) * g
@@ -178,14 +306,29 @@ class BlockMapping:
                 f"tokens [{start}, {end}) exceed the block tables: prefill {len(src_blocks)} x {ps}, "
                 f"decode {len(dst_blocks)} x {ds} tokens"
             )
+        hp, hd = self.prefill.granules_per_block, self.decode.granules_per_block
+        if self.prefill.token_major:
+            if heads is not None and heads.num_heads != self.prefill.num_kv_heads:
+                raise ValueError("a token-major cache moves every head of a token (no head slices)")
+            src_head, dst_head, width = 0, 0, 1
+        else:
+            sl = heads or HeadSlice(0, 0, 0, self.prefill.num_kv_heads)
+            if sl.src_head + sl.num_heads > hp or sl.dst_head + sl.num_heads > hd or sl.num_heads <= 0:
+                raise ValueError(f"head slice {sl} does not fit {hp} prefill and {hd} decode heads")
+            src_head, dst_head, width = sl.src_head, sl.dst_head, sl.num_heads
         runs: list[tuple[int, int, int]] = []
         t = start
         while t < end:
             # Cut at the next block boundary on either side: inside that span both sides are contiguous.
             nxt = min(end, (t // ps + 1) * ps, (t // ds + 1) * ds)
-            src = (src_blocks[t // ps] * ps + t % ps) // g
-            dst = (dst_blocks[t // ds] * ds + t % ds) // g
-            n = (nxt - t) // g
+            if self.prefill.token_major:
+                src = src_blocks[t // ps] * ps + t % ps
+                dst = dst_blocks[t // ds] * ds + t % ds
+                n = nxt - t
+            else:  # one whole block (equal block sizes): the slice's heads of it
+                src = src_blocks[t // ps] * hp + src_head
+                dst = dst_blocks[t // ds] * hd + dst_head
+                n = width
             if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
             else:
@@ -208,6 +351,7 @@ class BlockMapping:
         dst_blocks: Sequence[int],
         start_token: int,
         end_token: int,
+        heads: HeadSlice | None = None,
     ) -> list[BlockCopy]:
         """Granule copies moving tokens ``[start_token, end_token)`` of ``layer`` (every buffer of it)."""
-        return self.layer_copies(layer, self.runs(src_blocks, dst_blocks, start_token, end_token))
+        return self.layer_copies(layer, self.runs(src_blocks, dst_blocks, start_token, end_token, heads))

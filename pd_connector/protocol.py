@@ -8,7 +8,7 @@ peer can at worst send a malformed frame, which is rejected. The conversation on
             -- from here on, with a shared secret, frames carry the session MAC (below) --
     D -> P  Memory(D's transport descriptor: where and how P may write into D's KV cache)
     P -> D  Ready | Refused(P cannot reach that memory)
-    D -> P  Destinations(transfer id, D block ids, tokens wanted, lease)      (any number, any time)
+    D -> P  Destinations(transfer id, D block ids, tokens wanted, lease, head slice)   (any number, any time)
     P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
     P -> D  Done(transfer id, tokens, first token)      (after every write landed; P's blocks are free then)
     either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
@@ -38,7 +38,7 @@ from typing import Union
 
 import msgspec
 
-from pd_connector.layout import KVLayout
+from pd_connector.layout import HeadSlice, KVLayout
 
 #: Bumped on any incompatible change of the messages below; checked in the handshake.
 PROTOCOL_VERSION = 2
@@ -66,12 +66,16 @@ class Hello(msgspec.Struct, tag="hello"):
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack"):
-    """P accepts D's Hello; ``echo`` is D's nonce (under the secret's MAC: P knows the secret, now)."""
+    """P accepts D's Hello; ``echo`` is D's nonce (under the secret's MAC: P knows the secret, now).
+
+    ``layout``: P's own layout, from which D learns P's tensor-parallel split (which rank holds which heads).
+    """
 
     engine_id: str
     layout_hash: str
     nonce: bytes
     echo: bytes
+    layout: KVLayout
 
 
 class Memory(msgspec.Struct, tag="memory"):
@@ -100,6 +104,9 @@ class Destinations(msgspec.Struct, tag="destinations"):
     ``lease_s``: how long from sending D keeps these blocks reserved; P must not write after it.
     ``prompt_hash``: digest of D's prompt tokens (``prompt_digest``; empty: unchecked): P refuses to write a
     transfer whose prompt differs from its own, so a mispaired request never decodes another prompt's KV.
+    ``heads``: the KV heads this P rank writes and where they go in D's cache (None: every head, when P and D
+    hold the same ones). ``fanout``: how many D ranks send this P rank Destinations for the transfer; P ends it
+    once all of them are served.
     """
 
     transfer_id: str
@@ -109,6 +116,8 @@ class Destinations(msgspec.Struct, tag="destinations"):
     layer_block_ids: list[list[int]] | None = None
     start_token: int = 0
     prompt_hash: bytes = b""
+    heads: HeadSlice | None = None
+    fanout: int = 1
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:

@@ -38,6 +38,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(n: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """The first of ``n`` consecutive TCP ports that are all free right now (a P engine's TP ranks listen on
+    the side channel's port + rank)."""
+    for _ in range(attempts):
+        base = free_port(host)
+        socks = []
+        try:
+            for k in range(n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host} after {attempts} attempts")
+
+
 def process_group_members(pgid: int) -> list[int]:
     """PIDs of live (non-zombie) processes in process group ``pgid``: how tests prove nothing was left behind."""
     members = []

@@ -16,6 +16,7 @@ from pd_connector.layout import KVLayout
 from pd_connector.protocol import FrameCodec
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
 from pd_connector.transport.base import Transport
+from pd_connector.trust import PeerPolicy
 
 logger = logging.getLogger("pd_connector.transfer")
 
@@ -23,11 +24,14 @@ logger = logging.getLogger("pd_connector.transfer")
 class EngineContext:
     """Shared by ``Sender`` and ``Receiver`` of one ``TransferEngine``."""
 
-    def __init__(self, config: TransferConfig, layout: KVLayout, transport: Transport) -> None:
+    def __init__(
+        self, config: TransferConfig, layout: KVLayout, transport: Transport, policy: PeerPolicy
+    ) -> None:
         self.config = config
         self.layout = layout
         self.transport = transport
         self.codec = FrameCodec(config.secret, config.max_frame_bytes)
+        self.policy = policy
         self.io = control.IOThread(f"pd-transfer-{config.engine_id}")
         self.lock = threading.Lock()
         self._counters = TransferCounters()

@@ -47,16 +47,16 @@ class TransferEngine:
         self.config = config
         self.layout = layout
         try:
-            self.policy = PeerPolicy(
+            policy = PeerPolicy(
                 config.secret is not None, config.allowed_prefill_addrs, config.allow_insecure
             )
             if config.listen_port is not None:
-                self.policy.check_listener("the side channel", config.listen_host)
+                policy.check_listener("the side channel", config.listen_host)
             memory = transport.register(layout.regions(buffers))
         except BaseException:
             transport.close()
             raise
-        self._ctx = EngineContext(config, layout, transport)
+        self._ctx = EngineContext(config, layout, transport, policy)
         self._sender = Sender(self._ctx)
         self._receiver = Receiver(self._ctx, memory)
         self._recv_ids: set[str] = set()  # expected and not yet polled; guarded by the context's lock
@@ -101,7 +101,7 @@ class TransferEngine:
         Raises ``ValueError`` at once if the peer policy forbids ``prefill_addr``, the tables cannot hold
         ``num_tokens`` or the id is in use.
         """
-        refusal = self.policy.refusal(prefill_addr)
+        refusal = self._ctx.policy.refusal(prefill_addr)
         if refusal is not None:
             raise ValueError(refusal)
         timeout = self.config.load_timeout_s if timeout_s is None else timeout_s

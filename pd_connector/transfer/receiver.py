@@ -4,6 +4,12 @@ Runs only on the engine's I/O thread. One link (control connection) per prefill 
 use and shared by all transfers to it; a link that breaks fails its transfers at once, and the next
 ``expect`` reconnects (a restarted P). Giving up on a transfer (timeout, abort) waits for P's Ack before
 reporting, so D never reuses blocks P is still writing into.
+
+Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake tells D how P
+is split (``HelloAck.layout``), and D then takes each of its heads from the first P rank holding it
+(``layout.head_plan``), rank ``k`` listening on the first rank's port + ``k``. Each P rank involved is one
+*part* of the transfer; it is DONE when every part's Done arrived, and fails as a whole when any part fails
+(the other parts are aborted first, so no P rank writes into blocks D gave up).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 import msgspec
 
 from pd_connector import control
+from pd_connector.layout import HeadSlice, KVLayout, fanout, head_plan
 from pd_connector.protocol import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -36,6 +43,13 @@ from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.types import TransferResult, TransferState
 
 
+def rank_addr(addr: str, rank: int) -> str:
+    """The side channel of P's TP rank ``rank`` when ``addr`` is rank 0's: the next ports, one per rank."""
+    host, port = control.split_addr(addr)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port + rank}"
+
+
 @dataclasses.dataclass(eq=False)
 class _Link:
     """Our client connection to one prefill side, shared by all transfers to that address."""
@@ -43,9 +57,23 @@ class _Link:
     addr: str
     conn: control.Connection | None = None
     ready: bool = False
-    waiting: list[str] = dataclasses.field(default_factory=list)
+    layout: KVLayout | None = None  # P's layout, from its HelloAck
+    waiting: list[_Part] = dataclasses.field(default_factory=list)
     # Transfers given up before the handshake finished: P may have offered them, so it is told afterwards.
     aborts: list[Abort] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class _Part:
+    """What one P rank writes for a transfer: its link, the destinations sent there, its progress."""
+
+    recv: _Recv
+    link: _Link
+    dests: Destinations
+    sent: bool = False
+    done: bool = False
+    acked: bool = False  # P answered our Abort (or its end crossed it): nothing of it writes any more
+    bytes: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,14 +81,19 @@ class _Recv:
     """Receiver state of one transfer."""
 
     transfer_id: str
-    link: _Link
-    dests: Destinations
+    addr: str  # P's first rank
+    dests: Destinations  # the template: every part's destinations are it plus a head slice and a fan-out
     started: float
+    parts: list[_Part] = dataclasses.field(default_factory=list)
+    planned: bool = False
     state: TransferState = TransferState.WAITING
-    sent: bool = False
-    bytes: int = 0
-    ending: tuple[TransferState, str] | None = None  # set while waiting for P's Ack of our Abort
+    first_token: int | None = None
+    ending: tuple[TransferState, str] | None = None  # set while waiting for P's Acks of our Aborts
     timer: asyncio.TimerHandle | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.parts)
 
 
 class Receiver:
@@ -71,6 +104,8 @@ class Receiver:
         self.memory = memory
         self.recvs: dict[str, _Recv] = {}
         self.links: dict[str, _Link] = {}
+        # Transfers waiting for the handshake with P's first rank (which tells how P is split).
+        self.unplanned: dict[str, list[_Recv]] = {}
 
     def sizes(self) -> dict[str, int]:
         return {"recvs": len(self.recvs), "links": len(self.links)}
@@ -88,22 +123,59 @@ class Receiver:
 
     # ---- adapter calls ---------------------------------------------------------------------------------------
     def expect(self, addr: str, dests: Destinations) -> None:
-        link = self.links.get(addr)
-        if link is None:
-            link = self.links[addr] = _Link(addr)
-            self.ctx.loop.create_task(self._connect(link))
-        rt = _Recv(dests.transfer_id, link, dests, time.monotonic())
+        rt = _Recv(dests.transfer_id, addr, dests, time.monotonic())
         self.recvs[rt.transfer_id] = rt
         rt.timer = self.ctx.loop.call_later(dests.lease_s, self._timed_out, rt)
+        link = self._link(addr)
         if link.ready:
-            self._send_destinations(rt)
+            self._plan(rt, link)
         else:
-            link.waiting.append(rt.transfer_id)
+            self.unplanned.setdefault(addr, []).append(rt)
 
     def abort(self, tid: str, reason: str) -> None:
         rt = self.recvs.get(tid)
         if rt is not None and rt.ending is None:
             self._give_up(rt, TransferState.ABORTED, reason)
+
+    # ---- planning the parts ------------------------------------------------------------------------------------
+    def _plan(self, rt: _Recv, first: _Link) -> None:
+        """Split the transfer over the P ranks D's heads come from, now that P's split is known."""
+        rt.planned = True
+        prefill = first.layout
+        assert prefill is not None
+        mine = self.ctx.layout
+        try:
+            if prefill.tp_size == 1 and mine.tp_size == 1:
+                slices: list[HeadSlice | None] = [None]
+            else:
+                slices = list(head_plan(prefill.tp_size, mine))
+            parts = []
+            for sl in slices:
+                rank = 0 if sl is None else sl.prefill_rank
+                addr = rank_addr(rt.addr, rank)
+                refusal = self.ctx.policy.refusal(addr)
+                if refusal is not None:
+                    raise ValueError(refusal)
+                share = 1 if sl is None else fanout(prefill.at_rank(rank), mine.tp_size)
+                parts.append((addr, msgspec.structs.replace(rt.dests, heads=sl, fanout=share)))
+        except ValueError as e:
+            self._finish(rt, TransferState.FAILED, f"cannot plan the transfer over prefill's ranks: {e}")
+            return
+        for addr, dests in parts:
+            link = self._link(addr)
+            part = _Part(rt, link, dests)
+            rt.parts.append(part)
+            if link.ready:
+                self._send_destinations(part)
+            else:
+                link.waiting.append(part)
+
+    def _link(self, addr: str) -> _Link:
+        link = self.links.get(addr)
+        if link is None:
+            link = self.links[addr] = _Link(addr)
+            self.ctx.loop.create_task(self._connect(link))
+        return link
 
     # ---- the link --------------------------------------------------------------------------------------------
     async def _connect(self, link: _Link) -> None:
@@ -130,11 +202,13 @@ class Receiver:
             return
         link.ready = True
         conn.on_message = lambda c, msg: self._on_message(link, msg)
+        for rt in self.unplanned.pop(link.addr, []):
+            if self.recvs.get(rt.transfer_id) is rt and rt.ending is None:
+                self._plan(rt, link)
         waiting, link.waiting = link.waiting, []
-        for tid in waiting:
-            rt = self.recvs.get(tid)
-            if rt is not None and rt.link is link:
-                self._send_destinations(rt)
+        for part in waiting:
+            if self.recvs.get(part.recv.transfer_id) is part.recv and part.recv.ending is None:
+                self._send_destinations(part)
         aborts, link.aborts = link.aborts, []
         for abort in aborts:
             conn.send(abort)
@@ -158,6 +232,7 @@ class Receiver:
             if isinstance(reply, HelloAck):
                 if reply.echo != nonce or len(reply.nonce) != NONCE_BYTES:
                     return f"prefill {link.addr} answered the handshake without echoing our nonce"
+                link.layout = reply.layout
                 conn.codec = conn.codec.session(nonce, reply.nonce)
                 conn.send(Memory(self.memory))
                 reply = await conn.read_message(cfg.connect_timeout_s)
@@ -170,55 +245,73 @@ class Receiver:
         return f"prefill {link.addr} answered the handshake with {type(reply).__name__}"
 
     def _link_failed(self, link: _Link, reason: str) -> None:
-        """The link is gone (refused, unreachable, closed): every transfer on it ends now."""
+        """The link is gone (refused, unreachable, closed): every transfer using it ends now."""
         if self.links.get(link.addr) is link:
             del self.links[link.addr]
         link.ready = False
-        for rt in [r for r in self.recvs.values() if r.link is link]:
-            if rt.ending is not None:
-                self._finish(rt, *rt.ending)
+        for rt in self.unplanned.pop(link.addr, []):
+            self._finish(rt, TransferState.FAILED, reason)
+        for rt in [r for r in self.recvs.values() if any(p.link is link for p in r.parts)]:
+            for part in rt.parts:
+                if part.link is link:
+                    part.acked = True  # P's side of this link detached: it writes nothing more
+            if rt.ending is None:
+                self._give_up(rt, TransferState.FAILED, reason)
             else:
-                self._finish(rt, TransferState.FAILED, reason)
+                self._maybe_acked(rt)
 
-    def _send_destinations(self, rt: _Recv) -> None:
-        assert rt.link.conn is not None
+    def _send_destinations(self, part: _Part) -> None:
+        assert part.link.conn is not None
+        rt = part.recv
         remaining = rt.dests.lease_s - (time.monotonic() - rt.started)
         # The lease P sees is what is left of our timeout, so P never writes after we gave up.
-        rt.sent = rt.link.conn.send(msgspec.structs.replace(rt.dests, lease_s=max(remaining, 1e-3)))
+        part.sent = part.link.conn.send(msgspec.structs.replace(part.dests, lease_s=max(remaining, 1e-3)))
+
+    def _part(self, link: _Link, tid: str) -> _Part | None:
+        rt = self.recvs.get(tid)
+        return None if rt is None else next((p for p in rt.parts if p.link is link), None)
 
     def _on_message(self, link: _Link, msg: Message) -> None:
-        rt = self.recvs.get(getattr(msg, "transfer_id", ""))
+        tid = getattr(msg, "transfer_id", "")
+        part = self._part(link, tid)
         if isinstance(msg, LayerDone):
-            if rt is not None and rt.ending is None:
-                rt.state = TransferState.TRANSFERRING
-                rt.bytes += msg.bytes
+            if part is not None and part.recv.ending is None:
+                part.recv.state = TransferState.TRANSFERRING
+                part.bytes += msg.bytes
                 self.ctx.count(bytes_received=msg.bytes)
         elif isinstance(msg, (Done, Abort)):
             if isinstance(msg, Abort) and link.conn is not None:
                 link.conn.send(Ack(msg.transfer_id))
-            if rt is not None:
-                self._on_end(rt, msg)
+            if part is not None:
+                self._on_end(part, msg)
         elif isinstance(msg, Ack):
-            if rt is not None and rt.ending is not None:
-                self._finish(rt, *rt.ending)
+            if part is not None and part.recv.ending is not None:
+                part.acked = True
+                self._maybe_acked(part.recv)
         else:
             logger.error("control: unexpected %s from prefill %s", type(msg).__name__, link.addr)
             if link.conn is not None:
                 link.conn.close(f"unexpected {type(msg).__name__}")
 
-    def _on_end(self, rt: _Recv, msg: Done | Abort) -> None:
-        """P finished or aborted: P has no write in flight for this transfer any more."""
+    def _on_end(self, part: _Part, msg: Done | Abort) -> None:
+        """A P rank finished or aborted its part: it has no write in flight for this transfer any more."""
+        rt = part.recv
+        part.acked = True
         if rt.ending is not None:  # we had given up already; P's message crossed our Abort
-            self._finish(rt, *rt.ending)
+            self._maybe_acked(rt)
         elif isinstance(msg, Abort):
             state = TransferState.FAILED if msg.failure else TransferState.ABORTED
-            self._finish(rt, state, f"prefill {'failed' if msg.failure else 'aborted'}: {msg.reason}")
+            self._give_up(rt, state, f"prefill {'failed' if msg.failure else 'aborted'}: {msg.reason}")
         elif msg.num_tokens < rt.dests.num_tokens:
             reason = f"prefill covered {msg.num_tokens} of {rt.dests.num_tokens} tokens"
-            self._finish(rt, TransferState.FAILED, reason)
+            self._give_up(rt, TransferState.FAILED, reason)
         else:
-            self.ctx.count(transfers_received=1)
-            self._finish(rt, TransferState.DONE, "", first_token=msg.first_token)
+            part.done = True
+            if msg.first_token is not None:
+                rt.first_token = msg.first_token
+            if all(p.done for p in rt.parts):
+                self.ctx.count(transfers_received=1)
+                self._finish(rt, TransferState.DONE, "")
 
     # ---- giving up -------------------------------------------------------------------------------------------
     def _timed_out(self, rt: _Recv) -> None:
@@ -228,42 +321,61 @@ class Receiver:
             self._give_up(rt, TransferState.FAILED, f"no KV from prefill within {rt.dests.lease_s} s")
 
     def _give_up(self, rt: _Recv, state: TransferState, reason: str) -> None:
-        """Tell P and wait for its Ack (it drained its writes) before reporting."""
+        """Tell every P rank still writing and wait for its Ack (it drained its writes) before reporting."""
         abort = Abort(rt.transfer_id, reason, state is TransferState.FAILED)
-        if not (rt.sent and rt.link.ready and rt.link.conn is not None):
-            # P never learnt our blocks, so nothing can write into them: report now, and still tell P,
-            # which may have offered the transfer and would otherwise hold its blocks until its lease ends.
-            if rt.link.ready and rt.link.conn is not None:
-                rt.link.conn.send(abort)
-            elif self.links.get(rt.link.addr) is rt.link:
-                rt.link.aborts.append(abort)
-            self._finish(rt, state, reason)
-            return
         rt.ending = (state, reason)
-        rt.link.conn.send(abort)
+        if not rt.planned:
+            # P's first rank may have offered the transfer: tell it once its link is up.
+            link = self.links.get(rt.addr)
+            if link is not None:
+                link.aborts.append(abort)
+        for part in rt.parts:
+            if part.acked or part.done:
+                continue
+            if part.sent and part.link.ready and part.link.conn is not None:
+                part.link.conn.send(abort)
+                continue
+            # P never learnt our blocks through this part: nothing of it writes into them; still tell P.
+            part.acked = True
+            if part.link.ready and part.link.conn is not None:
+                part.link.conn.send(abort)
+            elif self.links.get(part.link.addr) is part.link:
+                part.link.aborts.append(abort)
         if rt.timer is not None:
             rt.timer.cancel()
         rt.timer = self.ctx.loop.call_later(self.ctx.config.abort_grace_s, self._abort_unanswered, rt)
+        self._maybe_acked(rt)
+
+    def _maybe_acked(self, rt: _Recv) -> None:
+        if rt.ending is not None and all(p.acked or p.done for p in rt.parts):
+            self._finish(rt, *rt.ending)
 
     def _abort_unanswered(self, rt: _Recv) -> None:
         rt.timer = None
-        if self.recvs.get(rt.transfer_id) is rt and rt.link.conn is not None:
-            logger.error(
-                "transfer %s: prefill %s did not answer our abort within %s s; closing the link",
-                rt.transfer_id,
-                rt.link.addr,
-                self.ctx.config.abort_grace_s,
-            )
-            rt.link.conn.close("abort unanswered")  # P detaches on close: no write can land afterwards
+        if self.recvs.get(rt.transfer_id) is not rt:
+            return
+        for part in rt.parts:
+            if not (part.acked or part.done) and part.link.conn is not None:
+                logger.error(
+                    "transfer %s: prefill %s did not answer our abort within %s s; closing the link",
+                    rt.transfer_id,
+                    part.link.addr,
+                    self.ctx.config.abort_grace_s,
+                )
+                part.link.conn.close("abort unanswered")  # P detaches on close: no write can land afterwards
 
-    def _finish(self, rt: _Recv, state: TransferState, reason: str, first_token: int | None = None) -> None:
+    def _finish(self, rt: _Recv, state: TransferState, reason: str) -> None:
         if self.recvs.get(rt.transfer_id) is not rt:
             return
         del self.recvs[rt.transfer_id]
         if rt.timer is not None:
             rt.timer.cancel()
-        if rt.transfer_id in rt.link.waiting:
-            rt.link.waiting.remove(rt.transfer_id)
+        for part in rt.parts:
+            if part in part.link.waiting:
+                part.link.waiting.remove(part)
+        waiting = self.unplanned.get(rt.addr)
+        if waiting is not None and rt in waiting:
+            waiting.remove(rt)
         self.ctx.report(
             TransferResult(
                 rt.transfer_id,
@@ -271,7 +383,7 @@ class Receiver:
                 state,
                 reason,
                 num_tokens=rt.dests.num_tokens if state is TransferState.DONE else 0,
-                first_token=first_token,
+                first_token=rt.first_token if state is TransferState.DONE else None,
                 bytes=rt.bytes,
                 duration_s=time.monotonic() - rt.started,
             )

@@ -4,6 +4,11 @@ Runs only on the engine's I/O thread. Each decode side (D) connects to our liste
 transport, KV layout) and then sends Destinations; the adapter's ``offer``/``push_layer``/``finish`` calls
 turn into transport writes into D's memory. A transfer is reported (and its source blocks freed by the
 adapter) only once its in-flight writes drained, so P never frees blocks a write is still reading.
+
+Under tensor parallelism one transfer of this P rank may serve several D ranks (``Destinations.fanout``),
+each with its own head slice: every push goes to each bound D rank, pushes made before a D rank's
+destinations came are replayed to it, and the transfer is DONE once each D rank got every token it asked for
+on every layer (``Done`` to each). Any D rank failing fails the transfer for all of them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from concurrent.futures import Future
 
 from pd_connector import control
-from pd_connector.layout import BlockMapping, LayoutMismatch, check_compatible
+from pd_connector.layout import BlockMapping, KVLayout, LayoutMismatch, check_compatible
 from pd_connector.protocol import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -48,6 +53,23 @@ class _Peer:
 
 
 @dataclasses.dataclass(eq=False)
+class _Binding:
+    """One D rank's destinations for a transfer and the progress of the writes into them."""
+
+    peer: _Peer
+    dests: Destinations
+    deadline: float  # loop time after which D no longer waits for these blocks
+    inflight: int = 0
+    #: Token spans whose writes landed, per layer (sorted, merged): Done only when none has a hole.
+    covered: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    done: bool = False
+    decode_aborted: bool = False  # this D asked to abort: answer Ack (not Abort) once drained
+    # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
+    # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
+    runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
 class _Send:
     """Sender state of one transfer."""
 
@@ -56,23 +78,33 @@ class _Send:
     started: float
     prompt_hash: bytes = b""
     state: TransferState = TransferState.WAITING
-    peer: _Peer | None = None
-    dests: Destinations | None = None
-    dest_deadline: float = float("inf")
-    intents: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
-    inflight: int = 0
+    bindings: list[_Binding] = dataclasses.field(default_factory=list)
+    fanout: int = 0  # D ranks to serve, from the first destinations (0: none came yet)
+    #: Every push so far (layer, first block, end block): replayed to destinations that come later.
+    pushes: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
     finished_at: float | None = None
     first_token: int | None = None
-    #: Token spans whose writes landed, per layer (sorted, merged): Done only when none has a hole.
-    covered: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     bytes: int = 0
     exposed_s: float = 0.0
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
-    decode_aborted: bool = False  # D asked to abort: answer Ack (not Abort) once drained
+    decode_aborted: bool = False  # a D gave up before binding: it was answered already
     timer: asyncio.TimerHandle | None = None
-    # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
-    # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
-    runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def inflight(self) -> int:
+        return sum(b.inflight for b in self.bindings)
+
+    def binding(self, peer: _Peer) -> _Binding | None:
+        return next((b for b in self.bindings if b.peer is peer), None)
+
+
+@dataclasses.dataclass(eq=False)
+class _Tombstone:
+    """A transfer that ended before every D rank's destinations came: the Abort each late one gets."""
+
+    abort: Abort
+    timer: asyncio.TimerHandle
+    left: int | None  # D ranks still to come (None: no destinations came, so the fan-out is unknown)
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,15 +122,15 @@ class Sender:
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
         self.sends: dict[str, _Send] = {}
-        self.orphans: dict[str, _Orphan] = {}
+        self.orphans: dict[str, list[_Orphan]] = {}
         self.peers: dict[control.Connection, _Peer] = {}
-        # Transfers that ended before D's destinations came: answered with Abort when they do (for lease_s).
-        self.tombstones: dict[str, tuple[Abort, asyncio.TimerHandle]] = {}
+        # Transfers that ended before (all) D ranks' destinations came: answered with Abort when they do.
+        self.tombstones: dict[str, _Tombstone] = {}
 
     def sizes(self) -> dict[str, int]:
         return {
             "sends": len(self.sends),
-            "orphan_destinations": len(self.orphans),
+            "orphan_destinations": sum(len(o) for o in self.orphans.values()),
             "peers": len(self.peers),
             "tombstones": len(self.tombstones),
         }
@@ -111,9 +143,9 @@ class Sender:
         for st in list(self.sends.values()):
             self._end(st, TransferState.FAILED, "transfer engine closed")
         for tid in list(self.orphans):
-            self._drop_orphan(tid)
-        for _, timer in self.tombstones.values():
-            timer.cancel()
+            self._drop_orphans(tid)
+        for tombstone in self.tombstones.values():
+            tombstone.timer.cancel()
         self.tombstones.clear()
         for conn in list(self.peers):
             conn.close("engine closed")
@@ -157,7 +189,9 @@ class Sender:
             memory: Memory | None = None
             if refusal is None:
                 nonce = secrets.token_bytes(NONCE_BYTES)
-                conn.send(HelloAck(ctx.config.engine_id, ctx.layout.compat_hash(), nonce, hello.nonce))
+                conn.send(
+                    HelloAck(ctx.config.engine_id, ctx.layout.compat_hash(), nonce, hello.nonce, ctx.layout)
+                )
                 conn.codec = conn.codec.session(hello.nonce, nonce)
                 reply = await conn.read_message(timeout)
                 if not isinstance(reply, Memory):
@@ -193,10 +227,9 @@ class Sender:
         if peer is None:
             return
         self.ctx.transport.detach(peer.peer_id)  # fails in-flight writes into a peer we no longer trust
-        for tid in [t for t, o in self.orphans.items() if o.peer is peer]:
-            self._drop_orphan(tid)
-        for st in [s for s in self.sends.values() if s.peer is peer]:
-            st.peer = None
+        for tid in list(self.orphans):
+            self._drop_orphans(tid, peer)
+        for st in [s for s in self.sends.values() if s.binding(peer) is not None]:
             self._end(st, TransferState.FAILED, f"decode {peer.engine_id} lost: {reason}")
 
     def _on_message(self, conn: control.Connection, msg: Message) -> None:
@@ -214,66 +247,84 @@ class Sender:
     # ---- messages from D -------------------------------------------------------------------------------------
     def _on_destinations(self, peer: _Peer, dests: Destinations) -> None:
         tid = dests.transfer_id
-        problem = _validate(peer, dests)
-        if problem is None and (tid in self.orphans or (tid in self.sends and self.sends[tid].peer)):
+        problem = _validate(self.ctx.layout, peer, dests)
+        st = self.sends.get(tid)
+        again = any(o.peer is peer for o in self.orphans.get(tid, ())) or (
+            st is not None and st.binding(peer) is not None
+        )
+        if problem is None and again:
             problem = "destinations for this transfer were already given"
         if problem is not None:
             logger.error("transfer %s: bad destinations from %s: %s", tid, peer.engine_id, problem)
             peer.conn.send(Abort(tid, f"prefill refused destinations: {problem}", failure=True))
             return
-        tombstone = self.tombstones.pop(tid, None)
+        tombstone = self.tombstones.get(tid)
         if tombstone is not None:  # P already ended this transfer: D learns it now, not at its timeout
-            tombstone[1].cancel()
-            peer.conn.send(tombstone[0])
+            peer.conn.send(tombstone.abort)
+            tombstone.left = (dests.fanout if tombstone.left is None else tombstone.left) - 1
+            if tombstone.left <= 0:
+                tombstone.timer.cancel()
+                del self.tombstones[tid]
             return
-        st = self.sends.get(tid)
         if st is None:  # D was faster than P's scheduler: keep the destinations until offer() (or lease end)
-            timer = self.ctx.loop.call_later(self.ctx.config.lease_s, self._orphan_expired, tid)
-            self.orphans[tid] = _Orphan(peer, dests, timer)
+            timer = self.ctx.loop.call_later(self.ctx.config.lease_s, self._orphan_expired, tid, peer)
+            self.orphans.setdefault(tid, []).append(_Orphan(peer, dests, timer))
             return
         self._bind(st, peer, dests)
 
-    def _orphan_expired(self, tid: str) -> None:
-        orphan = self.orphans.pop(tid, None)
+    def _orphan_expired(self, tid: str, peer: _Peer) -> None:
+        orphans = self.orphans.get(tid, [])
+        orphan = next((o for o in orphans if o.peer is peer), None)
         if orphan is not None:
+            self._drop_orphans(tid, peer)
             self.ctx.count(expired_leases=1)
             reason = f"prefill never offered this transfer within {self.ctx.config.lease_s} s"
             orphan.peer.conn.send(Abort(tid, reason, failure=True))
 
-    def _drop_orphan(self, tid: str) -> None:
-        orphan = self.orphans.pop(tid, None)
-        if orphan is not None:
+    def _drop_orphans(self, tid: str, peer: _Peer | None = None) -> list[_Orphan]:
+        """Forget ``tid``'s early destinations (only ``peer``'s, if given); returns the dropped ones."""
+        orphans = self.orphans.get(tid, [])
+        dropped = [o for o in orphans if peer is None or o.peer is peer]
+        for orphan in dropped:
             orphan.timer.cancel()
+        kept = [o for o in orphans if o not in dropped]
+        if kept:
+            self.orphans[tid] = kept
+        else:
+            self.orphans.pop(tid, None)
+        return dropped
 
     def _on_abort(self, peer: _Peer, msg: Abort) -> None:
         tid = msg.transfer_id
-        self._drop_orphan(tid)
+        self._drop_orphans(tid, peer)
         st = self.sends.get(tid)
-        if st is not None and st.peer is None and st.ending is None:
-            # D gave up before its destinations reached us: nothing was written, end ours too.
-            peer.conn.send(Ack(tid))
-            st.decode_aborted = True
-            state = TransferState.FAILED if msg.failure else TransferState.ABORTED
-            self._end(st, state, f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}")
-        elif st is None or st.peer is not peer:
+        state = TransferState.FAILED if msg.failure else TransferState.ABORTED
+        why = f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}"
+        binding = None if st is None else st.binding(peer)
+        if st is None:
             peer.conn.send(Ack(tid))  # nothing of ours writes into it
-        elif st.ending is None:
-            st.decode_aborted = True
-            state = TransferState.FAILED if msg.failure else TransferState.ABORTED
-            self._end(st, state, f"decode {'gave up' if msg.failure else 'aborted'}: {msg.reason}")
-        # else: already ending; our Abort follows once drained and D takes it as the answer
+        elif binding is None:
+            # This D rank gave up before its destinations reached us: nothing was written for it. The
+            # request fails on D as a whole, so the transfer ends for every D rank.
+            peer.conn.send(Ack(tid))
+            if st.ending is None:
+                st.decode_aborted = True
+                self._end(st, state, why)
+        else:
+            binding.decode_aborted = True
+            if st.ending is None:
+                self._end(st, state, why)
+            # else: already ending; our Ack follows once drained
 
     # ---- adapter calls ---------------------------------------------------------------------------------------
     def offer(self, tid: str, blocks: list[int], at: float, prompt_hash: bytes) -> None:
         st = self.sends.get(tid)
         if st is None:
             st = self.sends[tid] = _Send(tid, blocks, at, prompt_hash)
-            orphan = self.orphans.pop(tid, None)
-            if orphan is not None:
-                orphan.timer.cancel()
-                self._bind(st, orphan.peer, orphan.dests)
-            else:
-                self._arm(st)
+            self._arm(st)
+            for orphan in self._drop_orphans(tid):
+                if st.ending is None:
+                    self._bind(st, orphan.peer, orphan.dests)
             return
         if st.ending is not None:
             return
@@ -292,10 +343,9 @@ class Sender:
             self._end(st, TransferState.FAILED, "push_layer() after finish()")
             return
         self._arm(st)
-        if st.peer is None:
-            st.intents.append((layer, start, end))
-        else:
-            self._write(st, layer, start, end)
+        st.pushes.append((layer, start, end))
+        for binding in st.bindings:
+            self._write(st, binding, layer, start, end)
 
     def finish(self, tid: str, first_token: int | None, at: float) -> None:
         st = self.sends.get(tid)
@@ -308,20 +358,17 @@ class Sender:
         st = self.sends.get(tid)
         if st is not None:
             self._end(st, TransferState.ABORTED, reason)
-        orphan = self.orphans.get(tid)
-        if orphan is not None:
-            self._drop_orphan(tid)
+        for orphan in self._drop_orphans(tid):
             orphan.peer.conn.send(Abort(tid, reason))
 
     # ---- the per-transfer state machine ----------------------------------------------------------------------
     def _arm(self, st: _Send) -> None:
-        """(Re)start the lease: idle ``lease_s``, never beyond the decode side's own deadline."""
+        """(Re)start the lease: idle ``lease_s``, never beyond a decode side's own deadline."""
         if st.timer is not None:
             st.timer.cancel()
         loop = self.ctx.loop
-        st.timer = loop.call_at(
-            min(loop.time() + self.ctx.config.lease_s, st.dest_deadline), self._lease_expired, st
-        )
+        deadline = min([loop.time() + self.ctx.config.lease_s, *(b.deadline for b in st.bindings)])
+        st.timer = loop.call_at(deadline, self._lease_expired, st)
 
     def _lease_expired(self, st: _Send) -> None:
         st.timer = None
@@ -330,21 +377,32 @@ class Sender:
             self._end(st, TransferState.FAILED, "lease expired", lease_expired=True)
 
     def _bind(self, st: _Send, peer: _Peer, dests: Destinations) -> None:
-        st.peer, st.dests = peer, dests
+        binding = _Binding(peer, dests, self.ctx.loop.time() + dests.lease_s)
+        if st.fanout and dests.fanout != st.fanout:
+            # Not bound: it gets its own Abort; the others learn it from the failure.
+            peer.conn.send(Abort(st.transfer_id, "decode ranks disagree on the fan-out", failure=True))
+            self._end(
+                st,
+                TransferState.FAILED,
+                f"decode ranks disagree on the fan-out ({st.fanout}, {dests.fanout})",
+            )
+            return
+        if st.fanout and len(st.bindings) >= st.fanout:
+            peer.conn.send(Abort(st.transfer_id, f"all {st.fanout} decode ranks are served", failure=True))
+            return
+        st.fanout = dests.fanout
+        st.bindings.append(binding)
         st.state = TransferState.TRANSFERRING
-        st.dest_deadline = self.ctx.loop.time() + dests.lease_s
         if st.prompt_hash and dests.prompt_hash and st.prompt_hash != dests.prompt_hash:
             self._end(st, TransferState.FAILED, "decode's prompt differs from prefill's for this transfer id")
             return
         self._arm(st)
-        intents, st.intents = st.intents, []
-        for layer, start, end in intents:
-            self._write(st, layer, start, end)
+        for layer, start, end in st.pushes:
+            self._write(st, binding, layer, start, end)
         self._maybe_done(st)
 
-    def _write(self, st: _Send, layer: int, start: int, end: int | None) -> None:
-        assert st.peer is not None and st.dests is not None
-        dests, ctx = st.dests, self.ctx
+    def _write(self, st: _Send, binding: _Binding, layer: int, start: int, end: int | None) -> None:
+        dests, ctx = binding.dests, self.ctx
         ps = ctx.layout.block_tokens
         stop = len(st.src_blocks) if end is None else end
         first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)
@@ -352,31 +410,33 @@ class Sender:
             return
         per_layer = dests.layer_block_ids is not None
         key = (first, last, layer if per_layer else -1)
-        runs = st.runs.get(key)
+        runs = binding.runs.get(key)
+        mapping = binding.peer.mapping
         if runs is None:
             dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
             try:
-                runs = st.runs[key] = st.peer.mapping.runs(st.src_blocks, dst, first, last)
+                runs = binding.runs[key] = mapping.runs(st.src_blocks, dst, first, last, dests.heads)
             except ValueError as e:
                 self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
                 return
-        copies = st.peer.mapping.layer_copies(layer, runs)
-        st.inflight += 1
+        copies = mapping.layer_copies(layer, runs)
+        binding.inflight += 1
         started = time.monotonic()
-        future = ctx.transport.write(st.peer.peer_id, copies)
-        timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, st, future)
-        done = functools.partial(self._write_done, st, layer, (first, last), started, timer)
+        future = ctx.transport.write(binding.peer.peer_id, copies)
+        timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, binding, future)
+        done = functools.partial(self._write_done, st, binding, layer, (first, last), started, timer)
         future.add_done_callback(functools.partial(ctx.io.call, done))
 
-    def _write_timed_out(self, st: _Send, future: Future[int]) -> None:
-        if not future.done() and st.peer is not None:
+    def _write_timed_out(self, binding: _Binding, future: Future[int]) -> None:
+        if not future.done():
             reason = f"write did not complete within {self.ctx.config.write_timeout_s} s"
-            logger.error("transfer %s: %s; dropping decode %s", st.transfer_id, reason, st.peer.engine_id)
-            st.peer.conn.close(reason)  # detaches the endpoint, which fails the write
+            logger.error("%s; dropping decode %s", reason, binding.peer.engine_id)
+            binding.peer.conn.close(reason)  # detaches the endpoint, which fails the write
 
     def _write_done(
         self,
         st: _Send,
+        binding: _Binding,
         layer: int,
         span: tuple[int, int],
         started: float,
@@ -384,7 +444,7 @@ class Sender:
         future: Future[int],
     ) -> None:
         timer.cancel()
-        st.inflight -= 1
+        binding.inflight -= 1
         error = future.exception()
         if error is not None:
             self._end(st, TransferState.FAILED, f"layer {layer} write failed: {error!r}")
@@ -392,36 +452,41 @@ class Sender:
             return
         n = future.result()
         st.bytes += n
-        _add_span(st.covered.setdefault(layer, []), *span)
+        _add_span(binding.covered.setdefault(layer, []), *span)
         self.ctx.count_layer(layer, n, time.monotonic() - started)
-        if st.ending is not None or st.peer is None:
+        if st.ending is not None:
             self._maybe_ended(st)
             return
-        st.peer.conn.send(LayerDone(st.transfer_id, layer, n))
+        binding.peer.conn.send(LayerDone(st.transfer_id, layer, n))
         self._arm(st)
         self._maybe_done(st)
 
     def _maybe_done(self, st: _Send) -> None:
-        if st.peer is None or st.finished_at is None or st.inflight or st.ending is not None:
+        """After the last push: Done to each D rank whose writes all landed; DONE once every rank has it."""
+        if st.finished_at is None or st.ending is not None:
             return
-        assert st.dests is not None
-        hole = _first_hole(st.covered, self.ctx.layout.num_layers, st.dests.start_token, st.dests.num_tokens)
-        if hole is not None:
-            self._end(st, TransferState.FAILED, hole)
-            return
-        st.exposed_s = time.monotonic() - st.finished_at
-        self.ctx.count(exposed_seconds=st.exposed_s)
-        st.peer.conn.send(Done(st.transfer_id, st.dests.num_tokens, st.first_token))
-        # Push model: every byte is in D's memory and P's blocks are read by nobody else, so they are free
-        # now; waiting for D to acknowledge Done would only hold P's memory one round trip longer.
-        self._end(st, TransferState.DONE, "")
+        layers = self.ctx.layout.num_layers
+        for binding in st.bindings:
+            if binding.done or binding.inflight:
+                continue
+            dests = binding.dests
+            hole = _first_hole(binding.covered, layers, dests.start_token, dests.num_tokens)
+            if hole is not None:
+                self._end(st, TransferState.FAILED, hole)
+                return
+            # Push model: every byte is in D's memory and P's blocks are read by nobody else.
+            binding.peer.conn.send(Done(st.transfer_id, dests.num_tokens, st.first_token))
+            binding.done = True
+        if st.fanout and sum(b.done for b in st.bindings) == st.fanout:
+            st.exposed_s = time.monotonic() - st.finished_at
+            self.ctx.count(exposed_seconds=st.exposed_s)
+            self._end(st, TransferState.DONE, "")
 
     def _end(self, st: _Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
         """Stop scheduling writes; report once the in-flight ones drained (the source blocks are free then)."""
         if st.ending is not None:
             return
         st.ending = (state, reason, lease_expired)
-        st.intents.clear()
         self._maybe_ended(st)
 
     def _maybe_ended(self, st: _Send) -> None:
@@ -432,25 +497,29 @@ class Sender:
         if st.timer is not None:
             st.timer.cancel()
         failure = state is TransferState.FAILED
-        if st.peer is not None and state is not TransferState.DONE:
+        for binding in st.bindings:
+            if binding.done or binding.peer.conn.closed:
+                continue
             # Decode's Abort gets our Ack; our own failure or abort gets an Abort (D answers with Ack).
-            reply = Ack(st.transfer_id) if st.decode_aborted else Abort(st.transfer_id, reason, failure)
-            st.peer.conn.send(reply)
-        elif st.peer is None and not st.decode_aborted:
-            abort = Abort(st.transfer_id, reason, failure)
+            reply = Ack(st.transfer_id) if binding.decode_aborted else Abort(st.transfer_id, reason, failure)
+            binding.peer.conn.send(reply)
+        if state is not TransferState.DONE and len(st.bindings) < max(st.fanout, 1) and not st.decode_aborted:
+            # D ranks whose destinations have not come yet learn the end when they do (for lease_s).
             timer = self.ctx.loop.call_later(
                 self.ctx.config.lease_s, self.tombstones.pop, st.transfer_id, None
             )
-            self.tombstones[st.transfer_id] = (abort, timer)
+            left = st.fanout - len(st.bindings) if st.fanout else None
+            self.tombstones[st.transfer_id] = _Tombstone(Abort(st.transfer_id, reason, failure), timer, left)
         if state is TransferState.DONE:
             self.ctx.count(transfers_sent=1)
+        num_tokens = st.bindings[0].dests.num_tokens if state is TransferState.DONE else 0
         self.ctx.report(
             TransferResult(
                 st.transfer_id,
                 "send",
                 state,
                 reason,
-                num_tokens=st.dests.num_tokens if state is TransferState.DONE and st.dests else 0,
+                num_tokens=num_tokens,
                 first_token=st.first_token,
                 bytes=st.bytes,
                 duration_s=time.monotonic() - st.started,
@@ -486,9 +555,22 @@ def _first_hole(covered: dict[int, list[tuple[int, int]]], layers: int, start: i
     return None
 
 
-def _validate(peer: _Peer, dests: Destinations) -> str | None:
-    """What is wrong with D's destinations for D's own layout, or None."""
+def _validate(prefill: KVLayout, peer: _Peer, dests: Destinations) -> str | None:
+    """What is wrong with D's destinations for D's own layout and this P rank, or None."""
     d = peer.mapping.decode
+    if dests.fanout < 1:
+        return f"fanout {dests.fanout} must be at least 1"
+    if dests.heads is None and prefill.heads != d.heads:
+        return f"decode holds KV heads {d.heads}, prefill {prefill.heads}: the destinations need a head slice"
+    if dests.heads is not None:
+        sl = dests.heads
+        if (
+            sl.prefill_rank != prefill.tp_rank
+            or sl.num_heads <= 0
+            or not 0 <= sl.src_head <= prefill.num_kv_heads - sl.num_heads
+            or not 0 <= sl.dst_head <= d.num_kv_heads - sl.num_heads
+        ):
+            return f"head slice {sl} does not fit prefill rank {prefill.tp_rank} and the decode's heads"
     tables = dests.layer_block_ids if dests.layer_block_ids is not None else [dests.block_ids]
     if dests.layer_block_ids is not None and len(tables) != d.num_layers:
         return f"{len(tables)} per-layer tables for {d.num_layers} layers"

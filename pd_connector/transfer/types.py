@@ -53,8 +53,9 @@ class TransferConfig:
 class TransferState(enum.Enum):
     """Per-request state, on either side. DONE, FAILED and ABORTED are terminal.
 
-    Sender (P): WAITING for D's destinations -> TRANSFERRING once they are known -> DONE when D
-    acknowledged ``Done``; FAILED on lease expiry, write error or D's death; ABORTED by either side.
+    Sender (P): WAITING for D's destinations -> TRANSFERRING once they are known -> DONE once every write
+    landed and ``Done`` was sent to each D rank it serves (P waits for no acknowledgement); FAILED on lease
+    expiry, a write error, a hole or D's death; ABORTED by either side.
     Receiver (D): WAITING for P's first landed layer -> TRANSFERRING -> DONE on ``Done``; FAILED on timeout,
     refusal or P's death; ABORTED by either side.
     """

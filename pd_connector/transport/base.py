@@ -1,4 +1,5 @@
-"""The transport interface every data plane implements (UCX, TCP fallback, in-process test loopback).
+"""The transport interface every data plane implements (UCX, TCP fallback, same-host cma, in-process test
+loopback).
 
 Who calls it: the transfer engine (``pd_connector.transfer``), from engine threads that must never block
 on the network (vLLM's ``save_kv_layer`` runs inside the forward pass). So every method is thread-safe and

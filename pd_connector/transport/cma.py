@@ -2,8 +2,8 @@
 
 Why it exists next to ``ucx``: UCX's shared-memory path is the same syscall, but with error handling off (which
 UCX requires for it) a put into a peer that died aborts the *sending* process, so a prefill server would die
-with its decode server; and UCX's per-put cost makes small and scattered writes slower (4x at 4 KiB, 1.5x on
-a KV-shaped prompt; level at 16 MiB: docs/performance.md ``## transport``). Here a dead
+with its decode server; and UCX's per-put cost makes small and scattered writes slower (docs/performance.md
+``## transport`` has the ratios). Here a dead
 peer is just an errno (``ESRCH``/``EFAULT``): the write's future fails with ``CmaError`` naming the peer and
 the sender goes on.
 

@@ -1,4 +1,4 @@
-"""An asyncio event loop on its own daemon thread: the TCP transport's I/O thread.
+"""An asyncio event loop on its own daemon thread: the I/O thread of the TCP and cma transports.
 
 Engine threads (vLLM's forward pass) hand work over with ``submit``/``call_soon`` and get
 ``concurrent.futures`` results back, so they never block on the network. The loop sleeps in epoll when idle.

@@ -12,8 +12,7 @@ Why this shape:
   system call per span), without the GIL; our I/O thread plans each write, posts its puts and flush and
   watches them. So posting one layer overlaps copying the previous one, and the copy does not wait for the
   GIL while engine threads run Python. (One Python thread doing both spent a quarter of a KV-shaped
-  transfer posting while nothing was copied: 6.2 GB/s against 7.0-7.8 now; docs/performance.md
-  ``## transport``.)
+  transfer posting while nothing was copied; the figures are in docs/performance-history.md.)
 - Idle costs nothing: the progress thread sleeps in epoll on the worker's event fd (a post wakes it with
   ``ucp_worker_signal``), the I/O thread on an eventfd that engine threads poke after queueing work. While
   writes are outstanding the I/O thread checks their flushes every ``completion_poll_s`` instead (their

@@ -3,7 +3,9 @@
 Both roles read the same keys (P uses the side-channel address it listens on and the lease; D the load
 timeout), so one frozen dataclass covers both. Unknown keys and wrong types are rejected at start-up: a typo
 in a JSON file must not silently fall back to a default. Every key is documented in docs/configuration.md
-(``## vLLM PDConnector``); the lifecycle keys map 1:1 onto ``pd_connector.transfer.TransferConfig``.
+(``## vLLM PDConnector``); the lifecycle keys map onto ``pd_connector.transfer.TransferConfig`` fields of the
+same names (``write_timeout_s`` and ``max_frame_bytes`` keep the engine's defaults, and ``load_timeout_s``
+defaults to 30 s here, below the engine's 60 s, so a request waits less than a prefill holds its lease).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class PDConnectorConfig:
 
     #: P: address the side-channel listener binds to. Not loopback -> a ``secret`` is required (protected mode).
     side_channel_host: str = "127.0.0.1"
-    #: P: side-channel port; 0 lets the kernel pick one (then D cannot be told it: tests only).
+    #: P: side-channel port of TP rank 0 (rank k listens on it + k); 0 lets the kernel pick one (TP 1 only;
+    #: then D cannot be told it: tests only).
     side_channel_port: int = 0
     #: P: the host D dials (returned in ``kv_transfer_params``); default ``side_channel_host``, or this host's
     #: default-route address when that is a wildcard (0.0.0.0).
@@ -103,12 +106,14 @@ class PDConnectorConfig:
             values[key] = raw
         return cls(**values)
 
-    def transfer_config(self, engine_id: str, listen: bool = False) -> TransferConfig:
-        """The transfer engine's settings; ``listen`` (P roles) opens the side channel."""
+    def transfer_config(self, engine_id: str, listen: bool = False, tp_rank: int = 0) -> TransferConfig:
+        """The transfer engine's settings; ``listen`` (P roles) opens the side channel, on the configured port
+        plus ``tp_rank`` (one per tensor-parallel rank; D derives them from rank 0's)."""
+        port = self.side_channel_port + tp_rank if self.side_channel_port else 0
         return TransferConfig(
             engine_id=engine_id,
             listen_host=self.side_channel_host,
-            listen_port=self.side_channel_port if listen else None,
+            listen_port=port if listen else None,
             connect_timeout_s=self.connect_timeout_s,
             load_timeout_s=self.load_timeout_s,
             lease_s=self.lease_s,

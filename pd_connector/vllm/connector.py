@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pd_connector.vllm.compat import check_version
+from pd_connector.vllm.compat import check_version, tp_rank
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
@@ -77,6 +77,7 @@ class PDConnector(KVConnectorBase_V1):
                 kv_cache_config.num_blocks,
                 producer=transfer.is_kv_producer,
                 consumer=transfer.is_kv_consumer,
+                tp=tp_rank(vllm_config),
             )
 
     # ---- helpers ----

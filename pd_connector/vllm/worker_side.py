@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from pd_connector.layout import KVLayout
+from pd_connector.layout import KVLayout, sends_heads
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.config import PDConnectorConfig
@@ -34,11 +35,21 @@ IDLE_STEP_PAUSE_S = 0.005
 logger = logging.getLogger(f"vllm.{__name__}")
 
 
+@dataclass(frozen=True)
+class TPRank:
+    """This worker's place in tensor parallelism: its rank, the engine's TP size, the model's KV heads."""
+
+    rank: int = 0
+    size: int = 1
+    total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
+
+
 def cpu_kv_layout(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
     """Describe vLLM's CPU KV cache ``[blocks, kv_heads, block_size, head_k + head_v]`` (one packed buffer
-    per layer, heads-major blocks) and list the buffers; other layouts are refused with a clear error."""
+    per layer, heads-major blocks; ``kv_heads`` this TP rank's share) and list the buffers; other layouts
+    are refused with a clear error."""
     if not kv_caches:
         raise ValueError("PDConnector needs at least one KV cache layer")
     shapes = {tuple(t.shape) for t in kv_caches.values()}
@@ -57,6 +68,7 @@ def cpu_kv_layout(
                 f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not the CPU layout "
                 f"[{num_blocks} blocks, kv_heads, block_size, head_k + head_v] PDConnector supports"
             )
+    tp = tp or TPRank()
     layout = KVLayout(
         num_layers=len(kv_caches),
         block_tokens=shape[2],
@@ -65,6 +77,9 @@ def cpu_kv_layout(
         dtype=str(dtypes.pop()).removeprefix("torch."),
         kv_split=False,
         token_major=False,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+        total_kv_heads=tp.total_kv_heads,
     )
     buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()]
     return layout, buffers
@@ -81,15 +96,22 @@ class WorkerSide:
         num_blocks: int,
         producer: bool,
         consumer: bool,
+        tp: TPRank | None = None,
     ) -> None:
         self._config = config
-        self._engine_id = engine_id
+        self._tp = tp or TPRank()
+        if producer and self._tp.size > 1 and config.side_channel_port == 0:
+            raise ValueError(
+                "PDConnector: side_channel_port must be set under tensor parallelism (rank k listens on it + k)"
+            )
+        self._engine_id = f"{engine_id}-tp{self._tp.rank}" if self._tp.size > 1 else engine_id
         self._block_size = block_size
         self._num_blocks = num_blocks
         self._producer = producer
         self._consumer = consumer
         self._stats = StatsRecorder()
         self._engine: TransferEngine | None = None
+        self._sends = producer  # False on a P rank whose heads every D takes from a lower rank
         self._layer_index: dict[str, int] = {}
         self._written_s = 0.0  # the engine's cumulative layer-write seconds already reported
         # P: transfer id -> request id of offered transfers; ended ones stop being fed.
@@ -109,21 +131,23 @@ class WorkerSide:
     # ---- start-up ----
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        layout, buffers = cpu_kv_layout(kv_caches, self._num_blocks)
+        layout, buffers = cpu_kv_layout(kv_caches, self._num_blocks, self._tp)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._sends = self._producer and sends_heads(layout)
         transport = create_transport(self._config.transport_config())
         self._engine = TransferEngine(
-            self._config.transfer_config(self._engine_id, listen=self._producer),
+            self._config.transfer_config(self._engine_id, listen=self._producer, tp_rank=self._tp.rank),
             layout,
             buffers,
             transport,
         )
         logger.info(
-            "PDConnector worker: %s, data plane %s, side channel %s, layout %s",
+            "PDConnector worker: %s, data plane %s, side channel %s, layout %s%s",
             " and ".join(r for r, on in (("producer", self._producer), ("consumer", self._consumer)) if on),
             transport.name,
             self._engine.address,
             layout,
+            "" if self._sends or not self._producer else " (its heads are sent by a lower TP rank)",
         )
 
     @property
@@ -142,11 +166,14 @@ class WorkerSide:
         return spec.req_id not in self._send_ended and spec.req_id not in self._send_finished
 
     def bind(self, meta: PDConnectorMetadata) -> None:
-        """Before the forward: offer this step's block tables; apply requests P's scheduler finished."""
+        """Before the forward: offer this step's block tables; apply requests P's scheduler finished.
+
+        A rank that sends nothing (its heads replicated on a lower rank) offers nothing, and reports each
+        finished request at once: vLLM frees the blocks once every rank reported it."""
         if not self._producer:
             return
         for spec in meta.sends:
-            if self._live(spec):
+            if self._sends and self._live(spec):
                 self._send_req[spec.transfer_id] = spec.req_id
                 self._eng.offer(spec.transfer_id, spec.block_ids, spec.prompt_hash)
         for finished in meta.finished_sends:
@@ -159,7 +186,7 @@ class WorkerSide:
                 self._eng.abort(offered, "request aborted on the prefill side")
 
     def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
-        if not self._producer or not meta.sends:
+        if not self._sends or not meta.sends:
             return
         layer = self._layer_index[layer_name]
         for spec in meta.sends:
@@ -167,13 +194,13 @@ class WorkerSide:
                 continue
             first = spec.start_token // self._block_size
             end = -(-spec.end_token // self._block_size)
-            if spec.corrupt:
+            if spec.corrupt and self._tp.rank == self._tp.size - 1:  # one rank: every rank's bytes must count
                 kv_layer[spec.block_ids[first:end]] = 0
             self._eng.push_layer(spec.transfer_id, layer, first, end)
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
         """End of the step: the transfers whose prompt this step completed get no more pushes."""
-        if not self._producer:
+        if not self._sends:
             return
         for spec in meta.sends:
             if spec.completes_prompt and self._live(spec):

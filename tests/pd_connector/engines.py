@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 import numpy as np
@@ -100,14 +100,6 @@ def wait_results(engine: TransferEngine, ids: set[str], timeout_s: float = 10.0)
             raise AssertionError(f"timed out waiting for {ids - set(got)}; got {got}")
         time.sleep(0.005)
     return got
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 def assert_no_state(*engines: TransferEngine) -> None:

@@ -133,7 +133,7 @@ def main() -> None:
         while (msg := peer.recv()) is not None:
             if isinstance(msg, Hello):
                 nonce = secrets.token_bytes(NONCE_BYTES)
-                peer.send(HelloAck("raw-prefill", layout.compat_hash(), nonce, msg.nonce))
+                peer.send(HelloAck("raw-prefill", layout.compat_hash(), nonce, msg.nonce, layout))
                 peer.codec = peer.codec.session(msg.nonce, nonce)
             elif isinstance(msg, Memory):
                 peer.send(Ready())

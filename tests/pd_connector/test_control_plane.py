@@ -47,8 +47,6 @@ from tests.pd_connector.engines import (
 )
 from tests.pd_connector.raw_peer import RawPeer, hello
 
-pytestmark = pytest.mark.unit
-
 FAST = {
     "heartbeat_interval_s": 0.1,
     "heartbeat_timeout_s": 0.6,
@@ -182,7 +180,7 @@ def test_silent_prefill_fails_decode_before_its_load_timeout() -> None:
         peer = RawPeer(sock)
         hello_msg = peer.recv()
         assert isinstance(hello_msg, Hello)
-        peer.send(HelloAck("silent", SMALL.compat_hash(), b"p" * NONCE_BYTES, hello_msg.nonce))
+        peer.send(HelloAck("silent", SMALL.compat_hash(), b"p" * NONCE_BYTES, hello_msg.nonce, SMALL))
         peer.codec = peer.codec.session(hello_msg.nonce, b"p" * NONCE_BYTES)
         assert isinstance(peer.recv(), Memory)
         peer.send(Ready())

@@ -28,8 +28,6 @@ from pd_connector.transport.ucx import UcxConfig
 from tests.pd_connector.engine_peer import FAST, token_digest
 from tests.pd_connector.engines import SLACK_S, SMALL, KVCache, addr, assert_no_state, wait_results
 
-pytestmark = pytest.mark.unit
-
 ROOT = Path(__file__).resolve().parents[2]
 TRANSPORTS = {
     "tcp": ("tcp", ""),
@@ -110,9 +108,7 @@ def local_engine(role: str, kind: str, tls: str, cache: KVCache) -> TransferEngi
 @pytest.fixture(scope="module", params=list(TRANSPORTS), ids=list(TRANSPORTS))
 def transport_kind(request: pytest.FixtureRequest) -> tuple[str, str]:
     kind, tls = TRANSPORTS[request.param]
-    if kind == "ucx":
-        pytest.importorskip("ucxx", reason="the ucx extra is not installed")
-    return kind, tls
+    return kind, tls  # without the ucx extra, ucx fails in the transport factory, naming the extra
 
 
 @pytest.fixture(scope="module")

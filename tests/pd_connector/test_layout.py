@@ -8,8 +8,6 @@ import pytest
 from pd_connector.layout import BlockMapping, KVLayout, LayoutMismatch, check_compatible
 from pd_connector.transport.base import BlockCopy
 
-pytestmark = pytest.mark.unit
-
 VLLM_CPU = KVLayout(
     num_layers=4,
     block_tokens=32,
@@ -98,7 +96,8 @@ def test_token_major_block_sizes_are_mapped() -> None:
 
 def test_heads_major_range_widens_to_whole_blocks() -> None:
     m = BlockMapping(VLLM_CPU, VLLM_CPU)
-    assert m.copies(0, [9, 4], [1, 2], start_token=40, end_token=50) == [BlockCopy(0, 4, 2, 1)]
+    # Granules are one head's part of a block: block 4 of 2 heads is granules 8-9.
+    assert m.copies(0, [9, 4], [1, 2], start_token=40, end_token=50) == [BlockCopy(0, 8, 4, 2)]
     with pytest.raises(ValueError, match="exceed the block tables"):
         m.copies(0, [9], [1, 2], start_token=0, end_token=40)
 

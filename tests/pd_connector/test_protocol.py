@@ -26,8 +26,6 @@ from pd_connector.protocol import (
     Refused,
 )
 
-pytestmark = pytest.mark.unit
-
 LAYOUT = KVLayout(
     num_layers=2,
     block_tokens=16,
@@ -39,7 +37,7 @@ LAYOUT = KVLayout(
 )
 MESSAGES: list[Message] = [
     Hello(PROTOCOL_VERSION, "d0", LAYOUT, LAYOUT.compat_hash(), "tcp", b"n" * 16),
-    HelloAck("p0", LAYOUT.compat_hash(), b"p" * 16, b"n" * 16),
+    HelloAck("p0", LAYOUT.compat_hash(), b"p" * 16, b"n" * 16, LAYOUT),
     Memory(b"\x00\x01desc"),
     Ready(),
     Refused("dtype differs", ["dtype"]),

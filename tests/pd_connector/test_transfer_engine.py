@@ -31,8 +31,6 @@ from tests.pd_connector.engines import (
 )
 from tests.pd_connector.raw_peer import RawPeer
 
-pytestmark = pytest.mark.unit
-
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "abort_grace_s": 0.5}
 
 
@@ -592,12 +590,20 @@ class _FakePrefill:
     [
         (
             FrameCodec(b"guess"),
-            lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce),
+            lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce, SMALL),
             "HMAC mismatch",
         ),
-        (FrameCodec(), lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce), "HMAC mismatch"),
+        (
+            FrameCodec(),
+            lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, h.nonce, SMALL),
+            "HMAC mismatch",
+        ),
         # A HelloAck recorded from another connection: right MAC, someone else's nonce.
-        (FrameCodec(b"right"), lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, b"n" * 16), "echoing"),
+        (
+            FrameCodec(b"right"),
+            lambda h: HelloAck("P", SMALL.compat_hash(), b"p" * 16, b"n" * 16, SMALL),
+            "echoing",
+        ),
     ],
 )
 def test_decode_reveals_its_memory_only_to_a_prefill_that_proves_the_secret(

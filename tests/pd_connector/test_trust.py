@@ -6,8 +6,6 @@ import pytest
 
 from pd_connector.trust import InsecureConfig, PeerPolicy, is_loopback
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     ("host", "loopback"),

@@ -8,8 +8,6 @@ import pytest
 
 from pd_connector import wire
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     "params",

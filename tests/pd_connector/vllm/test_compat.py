@@ -6,8 +6,6 @@ import pytest
 
 from pd_connector.vllm.compat import check_version, unsupported_reason
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.4", "0.32"])
 def test_the_tested_line_is_supported(version: str) -> None:

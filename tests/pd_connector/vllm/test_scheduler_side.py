@@ -15,8 +15,6 @@ from pd_connector.vllm import scheduler_side
 from pd_connector.vllm.metadata import FinishedSend, RecvSpec, SendSpec
 from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerSide
 
-pytestmark = pytest.mark.unit
-
 BS = 32
 ADDR = "10.0.0.1:7000"
 

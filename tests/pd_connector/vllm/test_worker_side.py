@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from pd_connector.transfer import TransferState
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.worker_side import WorkerSide, cpu_kv_layout
-
-pytestmark = pytest.mark.unit
+from tests.polling import wait_until
 
 BS = 32
 LAYERS = 3
@@ -62,13 +62,8 @@ class Pair:
         self.failed |= failed
 
     def wait(self, predicate: Callable[[], bool], timeout_s: float = 15.0) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            self.poll()
-            if predicate():
-                return time.monotonic() - start
-            time.sleep(0.01)
-        raise AssertionError("condition not reached")
+        """Poll both workers (as vLLM does each step) until ``predicate``; the seconds it took."""
+        return wait_until(lambda: self.poll() or predicate(), timeout_s, "the pair's transfers")
 
     def close(self) -> None:
         self.p.shutdown()
@@ -148,7 +143,8 @@ def test_decode_abort_frees_both_sides(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair()
     pair.d_step([RecvSpec("d1", "T", pair.addr, [2, 3], start_block=0, num_tokens=64)])
     pair.p_step([SendSpec("p1", "T", [1, 4], 0, 32, 64)])
-    time.sleep(0.2)
+    landed = lambda: pair.d._eng.state("T") is TransferState.TRANSFERRING  # noqa: E731
+    wait_until(landed, 10, "the first chunk landed in D")
     pair.d_step(aborted=["d1"])
     pair.wait(lambda: "d1" in pair.recv)
     assert pair.failed == set(), "an aborted load is finished, not failed"
