@@ -7,7 +7,8 @@ reporting, so D never reuses blocks P is still writing into.
 
 Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake tells D how P
 is split (``HelloAck.layout``), and D then takes each of its heads from the first P rank holding it
-(``layout.head_plan``), rank ``k`` listening on the first rank's port + ``k``. Each P rank involved is one
+(``layout.head_plan``), rank ``k`` listening on the first rank's port + ``k``. The handshake itself is
+``handshake.dial``. Each P rank involved is one
 *part* of the transfer; it is DONE when every part's Done arrived, and fails as a whole when any part fails
 (the other parts are aborted first, so no P rank writes into blocks D gave up).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import secrets
 import time
 
 import msgspec
@@ -24,21 +24,14 @@ import msgspec
 from pd_connector import control
 from pd_connector.layout import HeadSlice, KVLayout, fanout, head_plan
 from pd_connector.protocol import (
-    NONCE_BYTES,
-    PROTOCOL_VERSION,
     Abort,
     Ack,
     Destinations,
     Done,
-    Hello,
-    HelloAck,
     LayerDone,
-    Memory,
     Message,
-    ProtocolError,
-    Ready,
-    Refused,
 )
+from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.types import TransferResult, TransferState
 
@@ -193,14 +186,16 @@ class Receiver:
             return
         link.conn = conn
         conn.on_close = lambda c, why: self._link_failed(link, f"prefill {link.addr} lost: {why}")
-        reason = await self._handshake(link, conn)
+        answer = await handshake.dial(self.ctx, link.addr, conn, self.memory)
+        reason = answer if isinstance(answer, str) else ""
         if reason or link.conn is not conn:
             logger.error("control: %s", reason)
             conn.on_close = lambda c, why: None
             conn.close(reason)
             self._link_failed(link, reason or "link closed during handshake")
             return
-        link.ready = True
+        assert isinstance(answer, KVLayout)
+        link.ready, link.layout = True, answer
         conn.on_message = lambda c, msg: self._on_message(link, msg)
         for rt in self.unplanned.pop(link.addr, []):
             if self.recvs.get(rt.transfer_id) is rt and rt.ending is None:
@@ -213,36 +208,6 @@ class Receiver:
         for abort in aborts:
             conn.send(abort)
         await conn.run()
-
-    async def _handshake(self, link: _Link, conn: control.Connection) -> str:
-        """Hello, P's proof, then our memory descriptor: '' when P is ready for Destinations, else why not.
-
-        The descriptor lets its holder write into our KV cache, so it goes out only after P's HelloAck echoed
-        our fresh nonce (under the shared secret's MAC, when one is set).
-        """
-        cfg, layout = self.ctx.config, self.ctx.layout
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        conn.send(
-            Hello(
-                PROTOCOL_VERSION, cfg.engine_id, layout, layout.compat_hash(), self.ctx.transport.name, nonce
-            )
-        )
-        try:
-            reply = await conn.read_message(cfg.connect_timeout_s)
-            if isinstance(reply, HelloAck):
-                if reply.echo != nonce or len(reply.nonce) != NONCE_BYTES:
-                    return f"prefill {link.addr} answered the handshake without echoing our nonce"
-                link.layout = reply.layout
-                conn.codec = conn.codec.session(nonce, reply.nonce)
-                conn.send(Memory(self.memory))
-                reply = await conn.read_message(cfg.connect_timeout_s)
-                if isinstance(reply, Ready):
-                    return ""
-        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
-            return f"handshake with prefill {link.addr} failed: {e!r}"
-        if isinstance(reply, Refused):
-            return f"prefill {link.addr} refused the handshake: {reply.reason}"
-        return f"prefill {link.addr} answered the handshake with {type(reply).__name__}"
 
     def _link_failed(self, link: _Link, reason: str) -> None:
         """The link is gone (refused, unreachable, closed): every transfer using it ends now."""

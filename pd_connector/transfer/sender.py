@@ -16,29 +16,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import secrets
 import time
 from concurrent.futures import Future
 
 from pd_connector import control
-from pd_connector.layout import BlockMapping, KVLayout, LayoutMismatch, check_compatible
+from pd_connector.layout import BlockMapping, KVLayout
 from pd_connector.protocol import (
-    NONCE_BYTES,
-    PROTOCOL_VERSION,
     Abort,
     Ack,
     Destinations,
     Done,
-    Hello,
-    HelloAck,
     LayerDone,
-    Memory,
     Message,
-    ProtocolError,
-    Ready,
-    Refused,
 )
+from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
+from pd_connector.transfer.coverage import add_span, first_hole
 from pd_connector.transfer.types import TransferResult, TransferState
 
 
@@ -150,76 +143,16 @@ class Sender:
         for conn in list(self.peers):
             conn.close("engine closed")
 
-    # ---- handshake -------------------------------------------------------------------------------------------
-    def _check_hello(self, hello: Hello) -> Refused | None:
-        ctx = self.ctx
-        if hello.version != PROTOCOL_VERSION:
-            return Refused(
-                f"protocol version mismatch: decode speaks {hello.version}, prefill {PROTOCOL_VERSION}",
-                ["version"],
-            )
-        if hello.transport != ctx.transport.name:
-            return Refused(
-                f"transport mismatch: decode uses {hello.transport!r}, prefill {ctx.transport.name!r}",
-                ["transport"],
-            )
-        if len(hello.nonce) != NONCE_BYTES:
-            return Refused(f"hello nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", ["nonce"])
-        if hello.layout_hash != hello.layout.compat_hash():
-            return Refused("layout_hash does not match the layout sent", ["layout_hash"])
-        try:
-            check_compatible(ctx.layout, hello.layout)
-        except LayoutMismatch as e:
-            return Refused(str(e), list(e.fields))
-        return None
-
+    # ---- connections from D ---------------------------------------------------------------------------------
     async def serve_peer(self, conn: control.Connection) -> None:
-        """Handle one decode side's connection on our listener: handshake, then messages until it closes.
-
-        Hello -> HelloAck (with a secret, its MAC over D's echoed nonce proves we share it) -> D's Memory ->
-        attach -> Ready. Anything else, late or malformed drops the connection (logged and counted).
-        """
-        ctx = self.ctx
-        timeout = ctx.config.connect_timeout_s
-        try:
-            hello = await conn.read_message(timeout)
-            if not isinstance(hello, Hello):
-                raise ProtocolError(f"expected hello, got {type(hello).__name__}")
-            refusal = self._check_hello(hello)
-            memory: Memory | None = None
-            if refusal is None:
-                nonce = secrets.token_bytes(NONCE_BYTES)
-                conn.send(
-                    HelloAck(ctx.config.engine_id, ctx.layout.compat_hash(), nonce, hello.nonce, ctx.layout)
-                )
-                conn.codec = conn.codec.session(hello.nonce, nonce)
-                reply = await conn.read_message(timeout)
-                if not isinstance(reply, Memory):
-                    raise ProtocolError(f"expected memory, got {type(reply).__name__}")
-                memory = reply
-        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
-            ctx.count(rejected_connections=1)
-            logger.error("control: rejecting connection from %s: %r", conn.peer, e)
+        """Handle one decode side's connection on our listener: handshake, then messages until it closes."""
+        accepted = await handshake.accept(self.ctx, conn)
+        if accepted is None:
             return
-        peer_id = f"{hello.engine_id}#{conn.id}"
-        if memory is not None:
-            try:
-                attach = ctx.transport.attach(peer_id, memory.descriptor)
-                await asyncio.wait_for(asyncio.wrap_future(attach), timeout)
-            except Exception as e:
-                ctx.transport.detach(peer_id)
-                refusal = Refused(f"cannot attach {ctx.transport.name} transport to decode memory: {e!r}")
-        if refusal is not None:
-            ctx.count(rejected_connections=1)
-            logger.error("control: refusing %s (%s): %s", hello.engine_id, conn.peer, refusal.reason)
-            conn.send(refusal)
-            return
-        peer = _Peer(conn, peer_id, hello.engine_id, BlockMapping(ctx.layout, hello.layout))
-        self.peers[conn] = peer
+        mapping = BlockMapping(self.ctx.layout, accepted.layout)
+        self.peers[conn] = _Peer(conn, accepted.peer_id, accepted.engine_id, mapping)
         conn.on_message = self._on_message
         conn.on_close = self._on_closed
-        conn.send(Ready())
-        logger.info("control: decode %s connected from %s", hello.engine_id, conn.peer)
         await conn.run()
 
     def _on_closed(self, conn: control.Connection, reason: str) -> None:
@@ -452,7 +385,7 @@ class Sender:
             return
         n = future.result()
         st.bytes += n
-        _add_span(binding.covered.setdefault(layer, []), *span)
+        add_span(binding.covered.setdefault(layer, []), *span)
         self.ctx.count_layer(layer, n, time.monotonic() - started)
         if st.ending is not None:
             self._maybe_ended(st)
@@ -470,7 +403,7 @@ class Sender:
             if binding.done or binding.inflight:
                 continue
             dests = binding.dests
-            hole = _first_hole(binding.covered, layers, dests.start_token, dests.num_tokens)
+            hole = first_hole(binding.covered, layers, dests.start_token, dests.num_tokens)
             if hole is not None:
                 self._end(st, TransferState.FAILED, hole)
                 return
@@ -527,32 +460,6 @@ class Sender:
                 lease_expired=lease_expired,
             )
         )
-
-
-def _add_span(spans: list[tuple[int, int]], first: int, last: int) -> None:
-    """Merge ``[first, last)`` into sorted, disjoint ``spans`` (few per layer: chunks are contiguous)."""
-    merged: list[tuple[int, int]] = []
-    for a, b in spans:
-        if b < first or a > last:
-            merged.append((a, b))
-        else:
-            first, last = min(a, first), max(b, last)
-    merged.append((first, last))
-    spans[:] = sorted(merged)
-
-
-def _first_hole(covered: dict[int, list[tuple[int, int]]], layers: int, start: int, end: int) -> str | None:
-    """Why tokens ``[start, end)`` are not all in D on every layer (the first gap found), or None."""
-    for layer in range(layers):
-        at = start
-        for a, b in covered.get(layer, ()):
-            if a > at:
-                break
-            at = max(at, b)
-        if at < end:
-            gap_end = next((a for a, _ in covered.get(layer, ()) if a > at), end)
-            return f"layer {layer} is missing tokens [{at}, {min(gap_end, end)}) of the [{start}, {end}) decode wants"
-    return None
 
 
 def _validate(prefill: KVLayout, peer: _Peer, dests: Destinations) -> str | None:
