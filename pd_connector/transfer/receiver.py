@@ -5,12 +5,11 @@ use and shared by all transfers to it; a link that breaks fails its transfers at
 ``expect`` reconnects (a restarted P). Giving up on a transfer (timeout, abort) waits for P's Ack before
 reporting, so D never reuses blocks P is still writing into.
 
-Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake tells D how P
-is split (``HelloAck.layout``), and D then takes each of its heads from the first P rank holding it
-(``layout.head_plan``), rank ``k`` listening on the first rank's port + ``k``. The handshake itself is
-``handshake.dial``. Each P rank involved is one
-*part* of the transfer; it is DONE when every part's Done arrived, and fails as a whole when any part fails
-(the other parts are aborted first, so no P rank writes into blocks D gave up).
+Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake
+(``handshake.dial``) tells D how P is split (``HelloAck.layout``), and D then takes each of its heads from the
+first P rank holding it (``layout.head_plan``), rank ``k`` listening on the first rank's port + ``k``. Each P
+rank involved is one *part* of the transfer; it is DONE when every part's Done arrived, and fails as a whole
+when any part fails (the other parts are aborted first, so no P rank writes into blocks D gave up).
 """
 
 from __future__ import annotations
