@@ -5,7 +5,8 @@ and D's allow-list naming P, as a deployment would. Every P/D test also proves t
 (``pd_checks.Transfers``: exact bytes on both sides, one completed load per request, nothing failed, refused or
 recomputed), because a failed load is recomputed and gives the same tokens.
 
-One P (core 0) and one D (core 1) are shared by the module's tests through ``Cluster``; each test names the
+One P (core 0) and one D (core 1), over the tcp data plane (ucx and cma run in test_topologies.py and
+test_tensor_parallel.py), are shared by the module's tests through ``Cluster``; each test names the
 configuration it needs (``ensure``), which restarts only what differs, so no test depends on what another did.
 Tests that need the same configuration are adjacent, and those that kill or restart servers come last (server
 starts dominate the wall time). The colocated reference is a plain request to P: P's prefix cache holds only
@@ -91,13 +92,10 @@ class DecodeConfig:
 class Cluster:
     """The module's P and D servers; restarts one of them when it died or a test needs another D."""
 
-    def __init__(
-        self, start: Callable[..., list[ManagedServer]], model: Path, log_dir: Path, transport: str = "tcp"
-    ) -> None:
+    def __init__(self, start: Callable[..., list[ManagedServer]], model: Path, log_dir: Path) -> None:
         self._start = start
         self.model = model
         self._log_dir = log_dir
-        self.transport = transport  # PDConnector's data plane on both servers
         self.side_channel_port = free_port()
         #: A prefill address D may dial where nothing listens (a P that is down).
         self.down_addr = f"127.0.0.1:{free_port()}"
@@ -124,7 +122,7 @@ class Cluster:
         return vllm_server(
             self.model,
             log_dir=self._log_dir,
-            name=f"pd-prefill-{self.transport}",
+            name="pd-prefill",
             dtype="float32",
             cpu_core=0,
             max_model_len=MAX_MODEL_LEN,
@@ -133,7 +131,7 @@ class Cluster:
                 "kv_connector": "PDConnector",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {
-                    "transport": self.transport,
+                    "transport": "tcp",
                     "side_channel_port": self.side_channel_port,
                     "lease_s": LEASE_S,
                     "load_timeout_s": 20.0,
@@ -147,8 +145,7 @@ class Cluster:
         return vllm_server(
             self.model,
             log_dir=self._log_dir,
-            name=f"pd-decode-{self.transport}-{'cache' if config.prefix_caching else 'nocache'}-"
-            f"{config.failure_policy}",
+            name=f"pd-decode-{'cache' if config.prefix_caching else 'nocache'}-{config.failure_policy}",
             dtype="float32",
             cpu_core=1,
             max_model_len=MAX_MODEL_LEN,
@@ -159,7 +156,7 @@ class Cluster:
                 "kv_role": "kv_consumer",
                 "kv_load_failure_policy": config.failure_policy,
                 "kv_connector_extra_config": {
-                    "transport": self.transport,
+                    "transport": "tcp",
                     "load_timeout_s": D_LOAD_TIMEOUT_S,
                     "secret": SECRET,
                     "allowed_prefill_addrs": [self.bootstrap, self.down_addr],
@@ -825,32 +822,3 @@ def test_disaggregated_equals_colocated_without_decode_prefix_cache(cluster: Clu
         for prompt, reference in zip(prompts, references, strict=True):
             assert pd.disaggregated(prompt) == reference, f"{len(prompt)} tokens, round {round_}"
         transfers.check(len(prompts), blocks=sum(blocks_to_load(len(p)) for p in prompts))
-
-
-@pytest.mark.parametrize("transport", ["cma", "ucx"])
-def test_same_host_transport_between_vllm_workers(
-    start_servers, cluster: Cluster, tiny_model: Path, log_dir: Path, transport: str
-) -> None:
-    """The same-host data planes inside real vLLM workers, whose threads run Python while layers are in
-    flight: ``cma`` (P's worker writes into D's KV cache with process_vm_writev; sibling processes of one user,
-    no shared parent) and ``ucx`` (UCX shared memory, copied by ucxx's progress thread). Runs last: the
-    module's TCP pair is stopped first, and each pair after its case, so no more than two engine servers run
-    at a time."""
-    cluster.stop()
-    pair = Cluster(start_servers, tiny_model, log_dir, transport=transport).ensure()
-    try:
-        for n in (33, 257, MAX_MODEL_LEN - MAX_TOKENS - 1):
-            prompt = tokens(n, seed=12000 + n)
-            reference = pair.reference(prompt)
-            transfers = pair.transfers()
-            assert pair.disaggregated(prompt) == reference, f"{n} tokens over {transport}"
-            transfers.check(1, blocks=blocks_to_load(n))
-        for server in (pair.prefill, pair.decode):
-            assert server is not None and f"data plane {transport}" in server.log_tail(400), server
-        wait_until(
-            lambda: blocks_idle(pair.p_url) and blocks_idle(pair.d_url),
-            15,
-            f"blocks freed after {transport} loads",
-        )
-    finally:
-        pair.stop()

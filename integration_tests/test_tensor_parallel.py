@@ -1,12 +1,15 @@
 """PDConnector across tensor parallelism on real vLLM CPU servers: P TP 2 -> D TP 1, P TP 2 -> D TP 2 and
-P TP 1 -> D TP 2, on the tiny GQA model (2 KV heads: one per rank at TP 2).
+P TP 1 -> D TP 2, on the tiny GQA model (2 KV heads: one per rank at TP 2), over the same-host ``cma`` data
+plane (``process_vm_writev`` from P's worker processes into D's; tcp and ucx run in the other modules).
 
 vLLM's CPU backend runs TP 2 as two worker processes, one per core (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
 Each P rank listens on the side channel's port + rank; a D rank names only rank 0's and takes each of its
 heads from the P rank holding it. Proven per pair: the greedy tokens equal D's own colocated answer, exactly
 the prompt's KV blocks moved (summed over ranks), every D rank completed its load, nothing failed or was
 recomputed; and a negative control where one P rank zeroes its heads changes the answer, so every rank's
-bytes are used. Pairs run one after the other (at most two TP servers at a time fit the two cores).
+bytes are used. Pairs run one after the other (at most two TP servers at a time fit the two cores). Up to four
+vLLM CPU workers share the two cores here and each spins after its steps, so a worker's I/O thread can wait
+seconds for a core: the control plane's heartbeat timeout is 30 s (10 s by default).
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ SECRET = "tp-secret"
 
 
 def _server(model: Path, log_dir: Path, role: str, tp: int, side_channel_port: int) -> ManagedServer:
-    extra: dict[str, Any] = {"secret": SECRET, "load_timeout_s": 60.0}
+    extra: dict[str, Any] = {
+        "secret": SECRET,
+        "transport": "cma",
+        "load_timeout_s": 60.0,
+        "heartbeat_timeout_s": 30.0,
+    }
     if role == "prefill":
         extra |= {"side_channel_port": side_channel_port, "lease_s": 60.0, "test_allow_corruption": True}
     return vllm_server(
@@ -98,11 +106,14 @@ def _ids(answer: dict[str, Any]) -> list[int]:
 
 
 def _check_pair(pairs: Pairs, p_tp: int, d_tp: int) -> None:
-    """Three prompt sizes, each twice: one D already answered (it loads the last block), one it has not (it
-    loads everything); tokens as colocated, exact blocks summed over the ranks, every D rank loaded."""
+    """Two prompt sizes (one block; several chunks), each twice: one D already answered (it loads the last
+    block), one it has not (it loads everything); tokens as colocated, exact blocks summed over the ranks, every
+    D rank loaded, over cma."""
     p_url, d_url = pairs.ensure(p_tp, d_tp)
+    for role in ("prefill", "decode"):
+        assert "data plane cma" in pairs.servers[role][1].log_tail(400)
     bootstrap = f"127.0.0.1:{pairs.port}"
-    for i, n in enumerate((33, 257, 700)):
+    for i, n in enumerate((33, 700)):
         seen = _tokens(n, seed=40_000 + 100 * p_tp + 10 * d_tp + i)
         colocated = _ids(pd_client.post_json(d_url + "/v1/completions", _body(seen)))
         transfers = Transfers(p_url, d_url)

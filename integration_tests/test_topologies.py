@@ -5,7 +5,9 @@ The case that once gave wrong tokens with ``pd_connector_failures_total`` at 0: 
 cluster once, then six copies at once. P answers the copies from its prefix cache; the D that had seen the
 prompt loaded only its tail and was right, the other got the blocks P had not pushed as holes. Here every
 copy must give the colocated tokens, every P->D request must complete its load on either D, and nothing may
-fail or be recomputed. Four engine servers share the two cores (one P and one D per core).
+fail or be recomputed. Four engine servers share the two cores (one P and one D per core). They move KV over
+``ucx`` (UCX shared memory, copied by ucxx's progress thread while the workers run Python); tcp is the other
+modules' data plane, cma the tensor-parallel module's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ FLOWS = ("pd-push", "vllm-standard")
 def _engine(
     model: Path, log_dir: Path, role: str, index: int, side_channel_port: int, p_addrs: list[str]
 ) -> ManagedServer:
-    extra: dict[str, Any] = {"secret": SECRET, "load_timeout_s": 30.0}
+    extra: dict[str, Any] = {"secret": SECRET, "load_timeout_s": 30.0, "transport": "ucx"}
     if role == "prefill":
         extra |= {"side_channel_port": side_channel_port, "lease_s": 30.0}
     else:
@@ -62,6 +64,8 @@ def cluster(start_servers, tiny_model: Path, log_dir: Path, tmp_path_factory) ->
     prefills = [_engine(tiny_model, log_dir, "prefill", i, ports[i], p_addrs) for i in range(2)]
     decodes = [_engine(tiny_model, log_dir, "decode", i, 0, p_addrs) for i in range(2)]
     start_servers(*prefills, *decodes)
+    for server in (*prefills, *decodes):
+        assert "data plane ucx" in server.log_tail(400), server.name
     routers = {}
     for flow in FLOWS:
         config = write_router_config(
