@@ -16,7 +16,9 @@ a run to some paths (``ucx_sm_512k``, on request only, is ``ucx_sm`` with UCX's 
 ``--no-huge-pages`` puts every path, the memcpy ceiling included, on 4 KiB pages. The KV-shaped case is
 also timed next to a thread of the sender process that spins in Python (``kv_shaped_gbps_next_to_python``):
 an engine's threads run Python while its layers are in flight, and a transport thread that lets go of the GIL
-waits up to the switch interval (5 ms) to get it back. Progress goes to stderr; the last stdout line is the
+waits up to the switch interval (5 ms) to get it back. ``--tp-pairs`` adds the same prompt over the whole
+model's cache, sent from P's TP ranks into D's for pairs of TP sizes (``tp_pairs``: GB/s and the transfer
+operations per layer, see ``benchmarks/tp_pairs.py``). Progress goes to stderr; the last stdout line is the
 JSON summary (see docs/performance.md ``## transport``).
 """
 
@@ -27,7 +29,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import mmap
 import os
 import statistics
 import struct
@@ -39,11 +40,12 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from benchmarks import tp_pairs
+from benchmarks.kv_shapes import KV_DST, KV_SRC, POOL_BLOCKS, PROMPT_BLOCKS, huge_pages, small_pages
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
 from pd_connector.transport.cma import CmaConfig, build_iovecs, call_bounds, decode_descriptor, vm_call
 from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
-from pd_connector.transport.hugepages import huge_page_bytes
 from pd_connector.transport.regions import RegionIndex, RegionTable, plan
 from pd_connector.transport.ucx import UcxConfig
 
@@ -54,8 +56,6 @@ CLEAN_ENV = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 MESSAGE_BYTES = 64 << 20  # moved per repetition of a message-size test
 LAYERS, KV_BLOCK = 32, 16 << 10
-PROMPT_BLOCKS = 4096 // 16
-POOL_BLOCKS = 384  # blocks per region on each side; the prompt's 256 are scattered in it
 KV_REGIONS = 2 * LAYERS
 IDLE_S = 3.0
 
@@ -85,7 +85,7 @@ class Memory:
     def __init__(self, fill: bool, huge: bool) -> None:
         rng = np.random.default_rng(1)
         shape_kv = (KV_REGIONS, POOL_BLOCKS, KV_BLOCK)
-        pages = _huge_pages if huge else _small_pages
+        pages = huge_pages if huge else small_pages
         self.messages = pages(MESSAGE_BYTES)
         self.kv = pages(KV_REGIONS * POOL_BLOCKS * KV_BLOCK).reshape(shape_kv)
         if fill:
@@ -102,38 +102,6 @@ class Memory:
             for r in range(KV_REGIONS)
         ]
         return out
-
-
-def _small_pages(nbytes: int) -> np.ndarray:
-    """Zeroed, not yet touched memory that will get 4 KiB pages (numpy would advise huge pages)."""
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(area, dtype=np.uint8)
-
-
-def _huge_pages(nbytes: int) -> np.ndarray:
-    """Zeroed, not yet touched memory starting on a huge-page boundary and advised to huge pages."""
-    page = huge_page_bytes()
-    area = mmap.mmap(-1, nbytes + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = np.frombuffer(area, dtype=np.uint8)
-    start = -whole.ctypes.data % page
-    area.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-    return whole[start : start + nbytes]
-
-
-def fragmented_blocks(seed: int) -> list[int]:
-    """256 block ids as an allocator's free list leaves them after churn: short runs in shuffled order."""
-    rng = np.random.default_rng(seed)
-    runs, start = [], 0
-    while start < POOL_BLOCKS:
-        length = int(min(rng.geometric(1 / 8), POOL_BLOCKS - start))
-        runs.append(list(range(start, start + length)))
-        start += length
-    order = rng.permutation(len(runs))
-    return [b for i in order for b in runs[i]][:PROMPT_BLOCKS]
-
-
-KV_SRC, KV_DST = fragmented_blocks(11), fragmented_blocks(12)
 
 
 def message_copies(size_index: int) -> list[BlockCopy]:
@@ -626,6 +594,14 @@ def main() -> None:
         action="store_true",
         help="4 KiB pages everywhere (MADV_NOHUGEPAGE, transport huge_pages off) instead of THP-advised memory",
     )
+    parser.add_argument(
+        "--tp-pairs",
+        default=";".join(f"{p},{d}" for p, d in tp_pairs.PAIRS),
+        help="P_TP,D_TP pairs for the KV-shaped transfer across tensor parallelism, ';'-separated ('' skips)",
+    )
+    parser.add_argument(
+        "--tp-transport", default="cma", choices=["cma", "ucx", "tcp"], help="data path of the TP pairs"
+    )
     parser.add_argument("--serve", choices=["ucx", "tcp", "cma", "raw", "nixl"], help=argparse.SUPPRESS)
     parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--drive", choices=list(PATHS), help=argparse.SUPPRESS)
@@ -675,6 +651,14 @@ def main() -> None:
             finally:
                 driver.stop()
         log(f"round {rep + 1}/{args.reps} done")
+    pairs = tp_pairs.measure(
+        tp_pairs.parse_pairs(args.tp_pairs),
+        args.reps,
+        args.samples,
+        args.tp_transport,
+        not args.no_huge_pages,
+        log,
+    )
     gbps = {
         name: [round(MESSAGE_BYTES / statistics.median(seconds[name, c]) / 1e9, 3) for c in CASES[:-1]]
         for name in names
@@ -702,6 +686,9 @@ def main() -> None:
             for kind in PAIRED.get(name, [])
         },
         "idle_cpu_percent": {k: round(v, 2) for k, v in idle.items()},
+        # the whole model's KV of the prompt from P's TP ranks into D's (see benchmarks/tp_pairs.py)
+        "tp_pairs": {name: dataclasses.asdict(result) for name, result in pairs.items()},
+        "tp_transport": args.tp_transport,
         "reps": args.reps,
         "samples": args.samples,
         "huge_pages": not args.no_huge_pages,
@@ -712,13 +699,15 @@ def main() -> None:
             "block_bytes": KV_BLOCK,
         },
     }
-    summary["ratios"] = ratios(gbps, kv_gbps, idle, paired, kv_spin_gbps)
+    summary["ratios"] = ratios(gbps, kv_gbps, idle, paired, kv_spin_gbps) | tp_pairs.ratios(pairs)
     for name in names:
         log(
             f"{name:>10}: "
             + "  ".join(f"{g:7.3f}" for g in gbps[name])
             + f"   kv {kv_gbps.get(name, float('nan')):.3f} GB/s"
         )
+    for name, result in pairs.items():
+        log(f"tp {name:>5}: {result.gbps:7.3f} GB/s, {result.ops_per_layer} operations per layer")
     print(json.dumps(summary))
 
 
