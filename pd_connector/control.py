@@ -1,6 +1,8 @@
-"""Side-channel plumbing: an asyncio loop on a dedicated I/O thread, framed connections, server and client.
+"""Side-channel plumbing: framed, heartbeated control connections, the server that accepts them and the client.
 
-The transfer engine owns the logic; this module only moves ``protocol`` messages and enforces the
+Who calls it: the transfer engine (``pd_connector.transfer``), on its I/O thread (a ``LoopThread``): P's
+engine serves (``serve``), D's receiver dials (``connect``), both handshake and exchange messages over a
+``Connection``. The engine owns the logic; this module only moves ``protocol`` messages and enforces the
 connection-level rules: a frame that is foreign, oversized, unauthenticated or undecodable drops that one
 connection with a logged error (the server keeps serving others), a peer silent for longer than the
 heartbeat timeout is dead, and every wait (connect, handshake, read) has a timeout.
@@ -11,58 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
 
 from pd_connector.protocol import HEADER, FrameCodec, Heartbeat, Message, ProtocolError
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class IOThread:
-    """An asyncio event loop running on its own daemon thread; idle, it sleeps in ``select`` (no spinning)."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[..., object], *args: object) -> None:
-        """Run ``fn(*args)`` on the loop thread soon; returns at once (callable from any thread).
-
-        Dropped once the loop is closed (late transport completions after shutdown have no one to tell).
-        """
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        """Run ``coro`` on the loop and wait for its result from another thread, at most ``timeout_s``."""
-        return self.submit(coro).result(timeout_s)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Cancel the loop's remaining tasks, stop it and join the thread (idempotent)."""
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self.run(self._cancel_tasks(), timeout_s)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout_s)
-        if not self._thread.is_alive() and not self.loop.is_closed():
-            self.loop.close()
-
-    @staticmethod
-    async def _cancel_tasks() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Connection:

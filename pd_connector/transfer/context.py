@@ -11,11 +11,11 @@ import dataclasses
 import logging
 import threading
 
-from pd_connector import control
 from pd_connector.layout import KVLayout
 from pd_connector.protocol import FrameCodec
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
 from pd_connector.transport.base import Transport
+from pd_connector.transport.loop_thread import LoopThread
 from pd_connector.trust import PeerPolicy
 
 logger = logging.getLogger("pd_connector.transfer")
@@ -32,7 +32,7 @@ class EngineContext:
         self.transport = transport
         self.codec = FrameCodec(config.secret, config.max_frame_bytes)
         self.policy = policy
-        self.io = control.IOThread(f"pd-transfer-{config.engine_id}")
+        self.io = LoopThread(f"pd-transfer-{config.engine_id}")
         self.lock = threading.Lock()
         self._counters = TransferCounters()
         self._results: dict[tuple[str, str], TransferResult] = {}

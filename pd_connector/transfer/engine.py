@@ -230,7 +230,7 @@ class TransferEngine:
     def _post(self, fn: Callable[..., None], *args: object) -> None:
         if self._closed:
             raise RuntimeError(f"transfer engine {self.config.engine_id} is closed")
-        self._ctx.io.call(fn, *args)
+        self._ctx.io.call_soon(fn, *args)
 
     # ---- I/O thread ----------------------------------------------------------------------------------------
     async def _listen(self) -> asyncio.Server:

@@ -358,7 +358,7 @@ class Sender:
         future = ctx.transport.write(binding.peer.peer_id, copies)
         timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, binding, future)
         done = functools.partial(self._write_done, st, binding, layer, (first, last), started, timer)
-        future.add_done_callback(functools.partial(ctx.io.call, done))
+        future.add_done_callback(functools.partial(ctx.io.call_soon, done))
 
     def _write_timed_out(self, binding: _Binding, future: Future[int]) -> None:
         if not future.done():

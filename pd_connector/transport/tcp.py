@@ -372,12 +372,8 @@ class TcpTransport(Transport):
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
         future: Future[int] = Future()
         future.set_running_or_notify_cancel()
-        try:
-            if not self._io.running:
-                raise RuntimeError("tcp transport is closed")
-            self._io.call_soon(self._post, peer_id, copies, future)
-        except RuntimeError as exc:  # closed, possibly while we were scheduling
-            _fail(future, RuntimeError(f"tcp transport is closed ({exc})"))
+        if not (self._io.running and self._io.call_soon(self._post, peer_id, copies, future)):
+            _fail(future, RuntimeError("tcp transport is closed"))  # possibly while we were scheduling
         return future
 
     def detach(self, peer_id: str) -> None:
