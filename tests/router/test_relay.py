@@ -10,11 +10,12 @@ from typing import Any
 
 import aiohttp
 import httptools
+import pytest
 
 from router import app, front, relay
 from router.http1 import Response
 from router.metrics import EventHistogram
-from tests.router.conftest import MODEL, short_prompt
+from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import events, normalized
 
 
@@ -153,3 +154,31 @@ async def test_a_slow_client_gets_every_event_and_pauses_the_upstream(make_clust
     assert len(events(via_router)) == 1501
     assert pauses[:2] == [True, False]  # reading the worker stopped while the client was behind
     assert all(a != b for a, b in itertools.pairwise(pauses))  # paused and resumed in turn
+
+
+@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard", "sglang-bootstrap"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_disaggregated_stream_reaches_the_client_event_by_event(
+    make_cluster, flow: str, path: str
+) -> None:
+    """Tokens are relayed as D makes them: a P->D stream whose events reached the client together (the burst
+    users saw through pd-router) fails this. D makes one token every 40 ms; the client times each event."""
+    c = await make_cluster(n_decode=1, flow=flow)
+    gap_s, n = 0.04, 8
+    c.decode[0].token_delay_s = gap_s
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": n, "stream": True}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": long_prompt()}]
+    else:
+        body["prompt"] = long_prompt()
+    arrivals: list[float] = []
+    loop = asyncio.get_running_loop()
+    async with c.router.post(path, json=body) as resp:
+        assert resp.headers["X-PD-Route"] == "disagg"
+        async for line in resp.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                arrivals.append(loop.time())
+    token_events = arrivals[-n:]  # chat streams open with a role-only event
+    gaps = [b - a for a, b in itertools.pairwise(token_events)]
+    assert len(gaps) == n - 1
+    assert min(gaps) > gap_s / 2, f"events arrived together: gaps {[round(g * 1000, 1) for g in gaps]} ms"
