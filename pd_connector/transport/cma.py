@@ -20,7 +20,7 @@ Who calls what:
   I/O thread, which issues one syscall per at most ``segment_bytes`` / ``IOV_MAX`` pieces, continuing after
   partial writes, and resolves the future with the byte count.
 
-The I/O thread is a ``LoopThread`` used as a work queue (it sleeps in epoll when idle). Syscalls run there
+The I/O thread is a ``WorkThread`` (``QueuedTransport``; it sleeps in epoll when idle). Syscalls run there
 through ctypes, which releases the GIL, so engine threads keep running while bytes move. Futures resolve on
 that thread: done-callbacks must be quick; ``detach`` from one runs inline.
 
@@ -37,23 +37,21 @@ import logging
 import os
 import secrets
 import select
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from . import hugepages
-from .base import BlockCopy, MemoryRegion, Transport
+from .base import BlockCopy, MemoryRegion
 from .coalesce import COUNT
-from .futures import fail, failed
+from .futures import fail, failed, running
 from .host import boot_id, pid_namespace
-from .loop_thread import LoopThread
-from .regions import RegionIndex, RegionInfo, RegionTable, Spans, plan
+from .queued import QueuedTransport
+from .regions import RegionIndex, RegionInfo, Spans, plan
 
 log = logging.getLogger(__name__)
 
@@ -231,21 +229,17 @@ def allow_writers() -> None:
         raise CmaError(f"cma transport: prctl(PR_SET_PTRACER, ANY) failed: {os.strerror(code)}")
 
 
-class CmaTransport(Transport):
+class CmaTransport(QueuedTransport[_Peer]):
     """``Transport`` over ``process_vm_writev`` between processes of one host (one per engine worker)."""
 
     name = "cma"
+    peer_error = CmaError
 
     def __init__(self, config: CmaConfig | None = None) -> None:
         self.config = config or CmaConfig()
-        self._regions = RegionTable()
         self._token = secrets.token_bytes(PROBE_BYTES)
         self._probe = ctypes.create_string_buffer(self._token, PROBE_BYTES)
-        self._peers: dict[str, _Peer] = {}  # I/O thread only
-        self._broken: dict[str, Exception] = {}  # why a peer was dropped, until detach or re-attach
-        self._lock = threading.Lock()
-        self._closing = False
-        self._io = LoopThread("pd-cma-io")
+        super().__init__(self.config.call_timeout_s)
 
     # -- called from engine threads -------------------------------------------------------------------------
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
@@ -276,10 +270,9 @@ class CmaTransport(Transport):
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
         """Plan on the calling thread, copy on the I/O thread: while the I/O thread copies one layer (GIL
         released in the syscall) the engine thread already plans the next, so planning costs no copy time."""
-        future: Future[int] = Future()
-        future.set_running_or_notify_cancel()
+        future: Future[int] = running()
         planned: _Planned | None = None
-        if (peer := self._peers.get(peer_id)) is not None:  # attach/detach replace entries, never mutate them
+        if (peer := self._peers.get(peer_id)) is not None:  # safe off the I/O thread: entries are replaced
             try:
                 planned = self._plan(peer, copies)
             except ValueError as exc:
@@ -293,64 +286,7 @@ class CmaTransport(Transport):
                 log.exception("cma transport: write to %s failed", peer_id)
                 fail(future, exc)
 
-        try:
-            self._submit(run)
-        except RuntimeError as exc:
-            future.set_exception(exc)
-        return future
-
-    def detach(self, peer_id: str) -> None:
-        if self._io.running:
-            self._call(lambda: self._drop(peer_id, None)).result(self.config.call_timeout_s)
-
-    def close(self) -> None:
-        if self._io.on_loop_thread():
-            raise RuntimeError("close() must not be called from the transport's own I/O thread")
-        with self._lock:  # from now on new work is refused; what is queued runs before the shutdown
-            if self._closing:
-                return
-            self._closing = True
-        if not self._io.running:
-            self._shutdown()
-            return
-        try:
-            self._call(self._shutdown, accept_while_closing=True).result(self.config.call_timeout_s)
-        finally:
-            self._io.stop(self.config.call_timeout_s)
-
-    def attached_peers(self) -> list[str]:
-        """Peer ids currently attached (tests use it to prove nothing leaks)."""
-        return list(self._peers)
-
-    def registered_regions(self) -> list[int]:
-        """Region ids currently registered."""
-        return [r.region_id for r in self._regions.all()]
-
-    # -- hand-over to the I/O thread -------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None], accept_while_closing: bool = False) -> None:
-        with self._lock:
-            if (self._closing and not accept_while_closing) or not self._io.running:
-                raise RuntimeError("cma transport is closed")
-            self._io.call_soon(fn)
-
-    def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
-        """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
-        future: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-
-        if self._io.on_loop_thread():
-            run()
-            return future
-        try:
-            self._submit(run, accept_while_closing)
-        except RuntimeError as exc:
-            future.set_exception(exc)
-        return future
+        return self._queue_write(future, run)
 
     # -- the I/O thread ---------------------------------------------------------------------------------------
     def _connect(self, peer_id: str, desc: CmaDescriptor) -> None:
@@ -365,7 +301,6 @@ class CmaTransport(Transport):
             os.close(pidfd)
             raise
         self._peers[peer_id] = _Peer(desc.pid, pidfd, RegionIndex(desc.regions))
-        self._broken.pop(peer_id, None)
         log.info("cma transport: attached %s (pid %d, %d regions)", peer_id, desc.pid, len(desc.regions))
 
     def _plan(self, peer: _Peer, copies: Sequence[BlockCopy]) -> _Planned:
@@ -380,10 +315,7 @@ class CmaTransport(Transport):
             return
         peer = self._peers.get(peer_id)
         if peer is None:
-            fail(
-                future,
-                self._broken.get(peer_id) or CmaError(f"cma transport: peer {peer_id!r} is not attached"),
-            )
+            fail(future, self._unattached(peer_id))
             return
         if planned is None or planned.peer is not peer:  # attached (again) after write() planned
             try:
@@ -419,13 +351,14 @@ class CmaTransport(Transport):
     def _drop(self, peer_id: str, error: CmaError | None) -> None:
         """Forget a peer and close its pidfd (idempotent); ``error`` is kept for later writes (None: detach)."""
         peer = self._peers.pop(peer_id, None)
-        if error is None:
-            self._broken.pop(peer_id, None)
-        else:
-            self._broken[peer_id] = error
+        self._remember(peer_id, error)
+        if error is not None:
             log.warning("%s", error)
         if peer is not None:
             os.close(peer.pidfd)
+
+    def _forget(self, peer_id: str) -> None:
+        self._drop(peer_id, None)
 
     def _shutdown(self) -> None:
         for peer_id in list(self._peers):

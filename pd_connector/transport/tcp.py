@@ -32,6 +32,7 @@ import numpy.typing as npt
 from .base import BlockCopy, MemoryRegion, Transport
 from .futures import fail as _fail
 from .futures import failed as _failed
+from .futures import running
 from .host import advertised_host
 from .loop_thread import LoopThread
 from .regions import RegionIndex, RegionTable, host_view, plan
@@ -370,8 +371,7 @@ class TcpTransport(Transport):
         return self._io.submit(self._connect(peer_id, desc))
 
     def write(self, peer_id: str, copies: Sequence[BlockCopy]) -> Future[int]:
-        future: Future[int] = Future()
-        future.set_running_or_notify_cancel()
+        future: Future[int] = running()
         if not (self._io.running and self._io.call_soon(self._post, peer_id, copies, future)):
             _fail(future, RuntimeError("tcp transport is closed"))  # possibly while we were scheduling
         return future

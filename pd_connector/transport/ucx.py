@@ -31,14 +31,10 @@ The RMA calls ``ucxx`` does not expose (mem_map, rkeys, put, flush) come from ``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
-import select
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,12 +43,12 @@ import msgspec
 import numpy as np
 
 from . import hugepages, ucp_ffi
-from .base import BlockCopy, MemoryRegion, Transport
+from .base import BlockCopy, MemoryRegion
 from .coalesce import SMALL_COPIES
-from .futures import fail as _fail
-from .futures import failed as _failed
+from .futures import fail, failed, running
 from .host import host_id
-from .regions import RegionIndex, RegionInfo, RegionTable, Spans, plan
+from .queued import QueuedTransport
+from .regions import RegionIndex, RegionInfo, Spans, plan
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +172,7 @@ class _Pending:
     deadline: float
 
 
-class UcxTransport(Transport):
+class UcxTransport(QueuedTransport[_Peer]):
     """``Transport`` over UCX RMA; one instance per engine worker process."""
 
     name = "ucx"
@@ -194,26 +190,11 @@ class UcxTransport(Transport):
         self._worker = ucx_api.UCXWorker(self._context)
         self._address = self._worker.address.tobytes()
         self._poster = ucp_ffi.Poster(int(self._worker.handle))
-        self._regions = RegionTable()
         self._memh: dict[int, int] = {}
         self._rkeys_packed: dict[int, bytes] = {}
-        self._peers: dict[str, _Peer] = {}
         self._pending: list[_Pending] = []
-        self._watched: dict[int, str] = {}  # pidfd -> peer id
-        self._broken: dict[str, Exception] = {}  # why a peer was dropped, until detach or re-attach
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
-        self._epoll.register(self._wake_fd, select.EPOLLIN)
-        self._submit_lock = threading.Lock()
-        self._closing = False
-        self._stopping = False
-        #: True while the I/O thread sleeps in epoll: only then ``_submit`` wakes it. Waking it per write cost the
-        #: writer a GIL hand-over each time (an eventfd write lets go of the GIL).
-        self._idle = True
         self._worker.start_progress_thread(polling_mode=False, epoll_timeout=-1)
-        self._thread = threading.Thread(target=self._run, name="pd-ucx-io", daemon=True)
-        self._thread.start()
+        super().__init__(self.config.call_timeout_s, self._tick)
         log.info("ucx transport: worker up (tls=%s)", self.config.tls or os.environ.get("UCX_TLS", "default"))
 
     # -- called from engine threads -------------------------------------------------------------------------
@@ -243,9 +224,9 @@ class UcxTransport(Transport):
         try:
             desc = msgspec.msgpack.decode(descriptor, type=UcxDescriptor)
         except msgspec.DecodeError as exc:
-            return _failed(ValueError(f"not a ucx transport descriptor: {exc}"))
+            return failed(ValueError(f"not a ucx transport descriptor: {exc}"))
         if desc.version != PROTOCOL_VERSION or len(desc.rkeys) != len(desc.regions):
-            return _failed(
+            return failed(
                 ValueError(f"peer speaks ucx transport v{desc.version}, we speak v{PROTOCOL_VERSION}")
             )
         return self._call(lambda: self._connect(peer_id, desc))
@@ -254,113 +235,17 @@ class UcxTransport(Transport):
         """Queue the write for the I/O thread, which plans and posts it while the progress thread copies the
         previous ones. Planning here instead would cost the engine thread its time and, worse, make it and the
         I/O thread take turns at the GIL (a KV-shaped prompt took 20 % longer)."""
-        future: Future[int] = Future()
-        future.set_running_or_notify_cancel()
-        try:
-            self._submit(lambda: self._post(peer_id, copies, future))
-        except RuntimeError as exc:
-            future.set_exception(exc)
-        return future
-
-    def detach(self, peer_id: str) -> None:
-        if self._thread.is_alive():
-            error = ConnectionError(f"ucx transport: peer {peer_id} detached")
-            self._call(lambda: self._drop(peer_id, error, quiet=True)).result(self.config.call_timeout_s)
-
-    def close(self) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("close() must not be called from the transport's own I/O thread")
-        if not self._thread.is_alive():
-            return
-        with self._submit_lock:  # from now on new work is refused; what is queued runs before the shutdown
-            self._closing = True
-        try:
-            self._call(self._shutdown, accept_while_closing=True).result(self.config.call_timeout_s)
-        finally:
-            self._stopping = True
-            self._wake()
-            self._thread.join(self.config.call_timeout_s)
-            self._worker.stop_progress_thread()
-            self._epoll.close()
-            os.close(self._wake_fd)
-
-    def attached_peers(self) -> list[str]:
-        """Peer ids with a live endpoint (tests use it to prove nothing leaks)."""
-        return list(self._peers)
-
-    def registered_regions(self) -> list[int]:
-        """Region ids currently mapped with UCX."""
-        return sorted(self._memh)
-
-    # -- hand-over to the I/O thread -------------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None], accept_while_closing: bool = False) -> None:
-        with self._submit_lock:
-            if (self._closing and not accept_while_closing) or not self._thread.is_alive():
-                raise RuntimeError("ucx transport is closed")
-            self._inbox.put(fn)
-        if self._idle:  # else it is polling and picks the work up within ``completion_poll_s``
-            self._wake()
-
-    def _call(self, fn: Callable[[], Any], accept_while_closing: bool = False) -> Future[Any]:
-        """Run ``fn`` on the I/O thread (inline when already there: a future's done-callback runs on it)."""
-        future: Future[Any] = Future()
-        if threading.current_thread() is self._thread:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-            return future
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-
-        try:
-            self._submit(run, accept_while_closing)
-        except RuntimeError as exc:
-            future.set_exception(exc)
-        return future
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):  # closed during shutdown
-            os.eventfd_write(self._wake_fd, 1)
+        future: Future[int] = running()
+        return self._queue_write(future, lambda: self._post(peer_id, copies, future))
 
     # -- the I/O thread ---------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stopping:
-            while True:
-                try:
-                    self._inbox.get_nowait()()
-                except queue.Empty:
-                    break
-            self._reap()
-            outstanding = any(not item.future.done() for item in self._pending)
-            if outstanding and self.config.completion_poll_s < 0.001:
-                # epoll counts in milliseconds: sleep instead (queued work waits at most this long)
-                time.sleep(self.config.completion_poll_s)
-                self._wait(0)
-                continue
-            if outstanding:
-                timeout: float | None = self.config.completion_poll_s
-            else:  # only requests of failed writes left (free them when UCX is done), or nothing: sleep
-                timeout = ZOMBIE_POLL_S if self._pending else None
-            # From here on submitters must wake us. Set before looking at the inbox, so work queued after the
-            # look sees the flag, and work queued before it is found.
-            self._idle = True
-            if self._inbox.empty():
-                self._wait(timeout)
-            self._idle = False
-
-    def _wait(self, timeout: float | None) -> None:
-        for fd, _ in self._epoll.poll(-1 if timeout is None else timeout):
-            if fd == self._wake_fd:
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_read(self._wake_fd)
-            elif fd in self._watched:
-                peer_id = self._watched[fd]
-                self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} process exited"))
+    def _tick(self) -> float | None:
+        """Between batches of work: resolve what completed, then say how long the I/O thread may sleep."""
+        self._reap()
+        if any(not item.future.done() for item in self._pending):
+            return self.config.completion_poll_s
+        # only requests of failed writes left (free them when UCX is done), or nothing: sleep until woken
+        return ZOMBIE_POLL_S if self._pending else None
 
     def _reap(self) -> None:
         """Resolve writes whose flush completed; time out the ones past their deadline."""
@@ -387,7 +272,7 @@ class UcxTransport(Transport):
                 self._drop(
                     item.peer_id, ConnectionError(f"ucx transport: flush to {item.peer_id} failed ({status})")
                 )
-                _fail(
+                fail(
                     item.future, ConnectionError(f"ucx transport: write to {item.peer_id} failed ({status})")
                 )
             elif now >= item.deadline:
@@ -440,21 +325,19 @@ class UcxTransport(Transport):
             except OSError as exc:
                 log.warning("ucx transport: cannot watch %s (pid %d): %s", peer_id, desc.pid, exc)
             else:
-                self._watched[peer.pidfd] = peer_id
-                self._epoll.register(peer.pidfd, select.EPOLLIN)
+                self._io.watch(peer.pidfd, lambda: self._exited(peer_id))
         self._peers[peer_id] = peer
         log.info("ucx transport: attached %s (%d regions)", peer_id, len(rkeys))
 
+    def _exited(self, peer_id: str) -> None:
+        self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} process exited"))
+
     def _post(self, peer_id: str, copies: Sequence[BlockCopy], future: Future[int]) -> None:
-        if self._watched:
-            self._wait(0)  # a same-host peer that exited since the last wait is dropped before we post
+        if self._io.watching:
+            self._io.poll(0)  # a same-host peer that exited since the last wait is dropped before we post
         peer = self._peers.get(peer_id)
         if peer is None:
-            _fail(
-                future,
-                self._broken.get(peer_id)
-                or ConnectionError(f"ucx transport: peer {peer_id!r} is not attached"),
-            )
+            fail(future, self._unattached(peer_id))
             return
         try:
             planned = _Planned.of(plan(copies, self._regions.index(), peer.remote))
@@ -462,7 +345,7 @@ class UcxTransport(Transport):
             if missing:
                 raise ValueError(f"regions {sorted(missing)} are not registered locally")
         except ValueError as exc:
-            _fail(future, exc)
+            fail(future, exc)
             return
         ep = peer.handle
         try:
@@ -471,7 +354,7 @@ class UcxTransport(Transport):
             request = self._poster.flush(ep)
         except ucp_ffi.UcpError as exc:
             self._drop(peer_id, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
-            _fail(future, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
+            fail(future, ConnectionError(f"ucx transport: posting to {peer_id} failed: {exc}"))
             return
         self._pending.append(
             _Pending(peer_id, request, planned.nbytes, future, time.monotonic() + self.config.write_timeout_s)
@@ -481,29 +364,28 @@ class UcxTransport(Transport):
         """Fail the peer's outstanding writes, destroy its rkeys and close its endpoint (idempotent)."""
         for item in self._pending:
             if item.peer_id == peer_id:
-                _fail(item.future, error)
+                fail(item.future, error)
         peer = self._peers.pop(peer_id, None)
-        if quiet:
-            self._broken.pop(peer_id, None)
-        else:
-            self._broken[peer_id] = error
+        self._remember(peer_id, None if quiet else error)
         if peer is None:
             return
         if not quiet:
             log.warning("%s", error)
         if peer.pidfd is not None:
-            self._watched.pop(peer.pidfd, None)
-            self._epoll.unregister(peer.pidfd)
+            self._io.unwatch(peer.pidfd)
             os.close(peer.pidfd)
         for rkey in peer.rkeys.values():
             ucp_ffi.rkey_destroy(rkey)
         peer.endpoint.close()
 
+    def _forget(self, peer_id: str) -> None:
+        self._drop(peer_id, ConnectionError(f"ucx transport: peer {peer_id} detached"), quiet=True)
+
     def _shutdown(self) -> None:
         for peer_id in list(self._peers):
             self._drop(peer_id, ConnectionError("ucx transport closed"), quiet=True)
         for item in self._pending:
-            _fail(item.future, ConnectionError("ucx transport closed"))
+            fail(item.future, ConnectionError("ucx transport closed"))
         ctx = self._context.handle
         for region_id in list(self._memh):
             memh = self._memh.pop(region_id)
@@ -511,3 +393,6 @@ class UcxTransport(Transport):
             ucp_ffi.mem_unmap(ctx, memh)
         self._rkeys_packed.clear()
         self._regions.clear()
+
+    def _release(self) -> None:
+        self._worker.stop_progress_thread()
