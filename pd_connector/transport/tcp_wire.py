@@ -2,7 +2,8 @@
 
 A frame is a 4-byte big-endian header length, a msgspec-msgpack header (one of the Structs below, tagged),
 then the payload its header announces (``Put.length`` bytes, or ``PutBlocks.count`` little-endian int32
-destination block indices followed by ``count * block_bytes`` bytes). Both sides of ``tcp.py`` use it.
+destination block indices followed by ``count * block_bytes`` bytes). Who uses it: ``tcp_sender`` (P) encodes
+what ``tcp_receiver`` (D) decodes, and ``tcp`` puts the descriptor into ``register``'s answer.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_garbage_connections_are_dropped_and_others_keep_working(caplog: pytest.
         token = msgspec.msgpack.decode(descriptor)["token"]
         sender.register([MemoryRegion(0, src.ctypes.data, src.nbytes, BLOCK_BYTES)])
         sender.attach("d", descriptor).result(10)  # a good connection, open during the attacks
-        caplog.set_level(logging.ERROR, logger="pd_connector.transport.tcp")
+        caplog.set_level(logging.ERROR, logger="pd_connector.transport.tcp_receiver")
         for name, attack in ATTACKS.items():
             payload = attack(token) if callable(attack) else attack
             with socket.create_connection(("127.0.0.1", receiver.port), timeout=5) as sock:
