@@ -134,7 +134,7 @@ class TransferEngine:
             if transfer_id in self._recv_ids:
                 raise ValueError(f"transfer {transfer_id} is already expected")
             self._recv_ids.add(transfer_id)
-        self._post(self._receiver.expect, prefill_addr, dests)
+        self._post(self._receiver.expect, prefill_addr, dests, time.monotonic())
 
     # ---- sender side (P) ---------------------------------------------------------------------------------
     def offer(self, transfer_id: str, src_blocks: Sequence[int], prompt_hash: bytes = b"") -> None:

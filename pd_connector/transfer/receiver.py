@@ -32,6 +32,7 @@ from pd_connector.protocol import (
 )
 from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
+from pd_connector.transfer.timeline import Timeline
 from pd_connector.transfer.types import TransferResult, TransferState
 
 
@@ -82,6 +83,7 @@ class _Recv:
     first_token: int | None = None
     ending: tuple[TransferState, str] | None = None  # set while waiting for P's Acks of our Aborts
     timer: asyncio.TimerHandle | None = None
+    timeline: Timeline = dataclasses.field(default_factory=Timeline)
 
     @property
     def bytes(self) -> int:
@@ -114,8 +116,9 @@ class Receiver:
                 link.conn.close("engine closed")
 
     # ---- adapter calls ---------------------------------------------------------------------------------------
-    def expect(self, addr: str, dests: Destinations) -> None:
-        rt = _Recv(dests.transfer_id, addr, dests, time.monotonic())
+    def expect(self, addr: str, dests: Destinations, at: float) -> None:
+        rt = _Recv(dests.transfer_id, addr, dests, at)
+        rt.timeline.mark("expected", at)
         self.recvs[rt.transfer_id] = rt
         rt.timer = self.ctx.loop.call_later(dests.lease_s, self._timed_out, rt)
         link = self._link(addr)
@@ -230,6 +233,7 @@ class Receiver:
         remaining = rt.dests.lease_s - (time.monotonic() - rt.started)
         # The lease P sees is what is left of our timeout, so P never writes after we gave up.
         part.sent = part.link.conn.send(msgspec.structs.replace(part.dests, lease_s=max(remaining, 1e-3)))
+        rt.timeline.mark("destinations_sent")
 
     def _part(self, link: _Link, tid: str) -> _Part | None:
         rt = self.recvs.get(tid)
@@ -241,6 +245,7 @@ class Receiver:
         if isinstance(msg, LayerDone):
             if part is not None and part.recv.ending is None:
                 part.recv.state = TransferState.TRANSFERRING
+                part.recv.timeline.mark("first_layer")
                 part.bytes += msg.bytes
                 self.ctx.count(bytes_received=msg.bytes)
         elif isinstance(msg, (Done, Abort)):
@@ -274,6 +279,7 @@ class Receiver:
             if msg.first_token is not None:
                 rt.first_token = msg.first_token
             if all(p.done for p in rt.parts):
+                rt.timeline.mark("done")
                 self.ctx.count(transfers_received=1)
                 self._finish(rt, TransferState.DONE, "")
 
@@ -350,5 +356,6 @@ class Receiver:
                 first_token=rt.first_token if state is TransferState.DONE else None,
                 bytes=rt.bytes,
                 duration_s=time.monotonic() - rt.started,
+                stages=rt.timeline.stamps,
             )
         )

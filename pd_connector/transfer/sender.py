@@ -32,6 +32,7 @@ from pd_connector.protocol import (
 from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.coverage import add_span, first_hole
+from pd_connector.transfer.timeline import Timeline
 from pd_connector.transfer.types import TransferResult, TransferState
 
 
@@ -82,6 +83,7 @@ class _Send:
     ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
     decode_aborted: bool = False  # a D gave up before binding: it was answered already
     timer: asyncio.TimerHandle | None = None
+    timeline: Timeline = dataclasses.field(default_factory=Timeline)
 
     @property
     def inflight(self) -> int:
@@ -254,6 +256,7 @@ class Sender:
         st = self.sends.get(tid)
         if st is None:
             st = self.sends[tid] = _Send(tid, blocks, at, prompt_hash)
+            st.timeline.mark("offered", at)
             self._arm(st)
             for orphan in self._drop_orphans(tid):
                 if st.ending is None:
@@ -285,6 +288,7 @@ class Sender:
         if st is None or st.ending is not None or st.finished_at is not None:
             return
         st.finished_at, st.first_token = at, first_token
+        st.timeline.mark("prompt_done", at)
         self._maybe_done(st)
 
     def abort(self, tid: str, reason: str) -> None:
@@ -325,6 +329,7 @@ class Sender:
             return
         st.fanout = dests.fanout
         st.bindings.append(binding)
+        st.timeline.mark("destinations")
         st.state = TransferState.TRANSFERRING
         if st.prompt_hash and dests.prompt_hash and st.prompt_hash != dests.prompt_hash:
             self._end(st, TransferState.FAILED, "decode's prompt differs from prefill's for this transfer id")
@@ -412,6 +417,7 @@ class Sender:
             binding.done = True
         if st.fanout and sum(b.done for b in st.bindings) == st.fanout:
             st.exposed_s = time.monotonic() - st.finished_at
+            st.timeline.mark("done")
             self.ctx.count(exposed_seconds=st.exposed_s)
             self._end(st, TransferState.DONE, "")
 
@@ -458,6 +464,7 @@ class Sender:
                 duration_s=time.monotonic() - st.started,
                 exposed_s=st.exposed_s,
                 lease_expired=lease_expired,
+                stages=st.timeline.stamps,
             )
         )
 

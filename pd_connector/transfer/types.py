@@ -89,6 +89,8 @@ class TransferResult:
     duration_s: float = 0.0
     exposed_s: float = 0.0
     lease_expired: bool = False
+    #: When each stage happened on this side, wall-clock seconds (``pd_connector.transfer.timeline``).
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

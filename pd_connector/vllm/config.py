@@ -62,6 +62,9 @@ class PDConnectorConfig:
     allowed_prefill_addrs: tuple[str, ...] = ()
     #: Lift protected mode: listen beyond loopback and dial any prefill with no secret (trusted networks only).
     allow_insecure: bool = False
+    #: Append one JSON line per transfer (request id, transfer id, when each stage happened) to this file
+    #: ("" = off); every worker of the engine appends to it (docs/architecture.md, First-token trace).
+    trace_path: str = ""
     #: Test only (P): honour ``"pd_test_corrupt": true`` in a request's kv_transfer_params by zeroing its KV
     #: before it is pushed, so tests can prove D uses the transferred bytes. The zeroed blocks stay in P's
     #: (and D's) prefix cache for that prompt: use such prompts for nothing else. Never enable in production.

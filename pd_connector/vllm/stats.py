@@ -32,10 +32,12 @@ COUNTERS = (
     "refused_requests",
 )
 SERIES = ("transfer_s", "exposed_s", "load_s")
+#: ``[stage span, seconds]`` pairs (``pd_connector.transfer.timeline.spans``): where a transfer's time went.
+STAGES = "stage_s"
 
 
 def _empty() -> dict[str, Any]:
-    return {**dict.fromkeys(COUNTERS, 0), **{key: [] for key in SERIES}}
+    return {**dict.fromkeys(COUNTERS, 0), **{key: [] for key in SERIES}, STAGES: []}
 
 
 @dataclass
@@ -52,7 +54,7 @@ class PDConnectorStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in COUNTERS:
             self.data[key] += other.data.get(key, 0)
-        for key in SERIES:
+        for key in (*SERIES, STAGES):
             self.data[key].extend(other.data.get(key, []))
         return self
 
@@ -64,7 +66,7 @@ class PDConnectorStats(KVConnectorStats):
         return summary
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES)
+        return not any(self.data[key] for key in (*COUNTERS, *SERIES, STAGES))
 
 
 class StatsRecorder:
@@ -86,6 +88,11 @@ class StatsRecorder:
             self._data["bytes_received"] += nbytes
             self._data["transfers_received"] += 1
             self._data["load_s"].append(transfer_s)
+
+    def stages(self, spans: dict[str, float]) -> None:
+        """Seconds between consecutive stages of one ended transfer (P's or D's side)."""
+        with self._lock:
+            self._data[STAGES].extend([name, seconds] for name, seconds in spans.items())
 
     def failure(self) -> None:
         with self._lock:
@@ -128,6 +135,10 @@ _HISTOGRAM_HELP = {
     "exposed_s": "P: seconds from the end of the last prefill step to Done (not hidden behind compute).",
     "load_s": "D: seconds from the start of a load to the last byte received.",
 }
+_STAGE_HELP = (
+    "Seconds between consecutive stages of a transfer (label stage, e.g. 'offered->destinations' on P: waiting "
+    "for D's block table; 'done->reported' on D: until vLLM learnt the load finished); see docs/architecture.md."
+)
 _BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -155,6 +166,12 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 buckets=_BUCKETS,
             )
             self._histograms[key] = self._per_engine(metric)
+        self._stages = cast(Any, self._histogram_cls)(
+            "vllm:pd_connector_stage_seconds",
+            _STAGE_HELP,
+            labelnames=[*labelnames, "stage"],
+            buckets=_BUCKETS,
+        )
 
     def _per_engine(self, metric: Any) -> dict[int, Any]:
         return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
@@ -167,3 +184,7 @@ class PDPromMetrics(KVConnectorPromMetrics):
         for key, children in self._histograms.items():
             for value in transfer_stats_data.get(key, []):
                 children[engine_idx].observe(value)
+        labels = self.per_engine_labelvalues.get(engine_idx)
+        for stage, seconds in transfer_stats_data.get(STAGES, []):
+            if labels is not None:
+                self._stages.labels(*labels, stage).observe(seconds)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from pd_connector.layout import KVLayout, sends_heads
+from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
+from pd_connector.transfer.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
@@ -127,6 +129,7 @@ class WorkerSide:
         # loads that failed since the last ``take_failed_blocks``.
         self._recv_blocks: dict[str, list[int]] = {}
         self._failed_blocks: set[int] = set()
+        self._trace = TraceWriter(config.trace_path) if config.trace_path else None
 
     # ---- start-up ----
 
@@ -259,13 +262,14 @@ class WorkerSide:
         self._recv_failed_at_start.clear()
         if self._engine is not None:
             for result in self._engine.poll():
-                self._record(result)
                 if result.role == "send":
                     req_id = self._send_req.pop(result.transfer_id, None)
+                    self._record(result, req_id)
                     if req_id is not None:
                         self._send_ended[req_id] = result
                 else:
                     req_id = self._recv_req.pop(result.transfer_id, None)
+                    self._record(result, req_id)
                     if req_id is None:
                         continue
                     recving.add(req_id)
@@ -297,7 +301,26 @@ class WorkerSide:
         blocks, self._failed_blocks = self._failed_blocks, set()
         return blocks
 
-    def _record(self, result: TransferResult) -> None:
+    def _record(self, result: TransferResult, req_id: str | None) -> None:
+        """Count an ended transfer, export where its time went, and trace it (D: ``reported`` is now, when
+        vLLM learns of it)."""
+        stages = result.stages
+        if result.role == "recv":
+            stages = {**stages, "reported": time.time()}
+        self._stats.stages(spans(stages, SEND_STAGES if result.role == "send" else RECV_STAGES))
+        if self._trace is not None:
+            self._trace.write(
+                TraceRecord(
+                    component="prefill" if result.role == "send" else "decode",
+                    transfer_id=result.transfer_id,
+                    stages=stages,
+                    state=result.state.value,
+                    request_id=req_id or "",
+                    engine_id=self._engine_id,
+                    bytes=result.bytes,
+                    reason=result.reason,
+                )
+            )
         if result.state is TransferState.DONE:
             if result.role == "send":
                 self._stats.sent(result.bytes, result.duration_s, result.exposed_s)
@@ -319,6 +342,8 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self._engine is not None:
             self._engine.close()
+        if self._trace is not None:
+            self._trace.close()
 
 
 def _never_offered(req_id: str) -> TransferResult:

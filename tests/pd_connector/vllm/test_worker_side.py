@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from pd_connector.trace import read_trace
 from pd_connector.transfer import TransferState
+from pd_connector.transfer.timeline import RECV_STAGES, SEND_STAGES
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.worker_side import WorkerSide, cpu_kv_layout
@@ -229,3 +232,43 @@ def test_layout_check_and_config_validation() -> None:
     with pytest.raises(ValueError, match="transport"):
         PDConnectorConfig.from_extra_config({"transport": "carrier-pigeon"})
     assert PDConnectorConfig.from_extra_config({"transport": "cma"}).transport_config().kind == "cma"
+
+
+def test_each_side_traces_its_stages_in_order_under_its_request_id(
+    make_pair: Callable[..., Pair], tmp_path: Path
+) -> None:
+    """Where a P/D request's time went: P and D append one record each to the trace (joined by transfer id,
+    each under its own engine's request id) with every stage, and export the spans between them as histograms
+    (named in the order the stages happened: here D's table may reach P before or after P's prefill ended)."""
+    trace = tmp_path / "trace.jsonl"
+    pair = make_pair(
+        PDConnectorConfig(lease_s=5, trace_path=str(trace)),
+        PDConnectorConfig(load_timeout_s=5, trace_path=str(trace)),
+    )
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [8, 9, 10], start_block=0, num_tokens=70)])
+    pair.p_step([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)], [])
+    pair.wait(lambda: "d1" in pair.recv)
+    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
+    pair.wait(lambda: pair.sent == {"p1"})
+    records = {r.component: r for r in read_trace(str(trace))}
+    assert set(records) == {"prefill", "decode"}
+    p, d = records["prefill"], records["decode"]
+    assert (p.transfer_id, p.request_id, p.state) == ("T", "p1", "done")
+    assert (d.transfer_id, d.request_id, d.state) == ("T", "d1", "done")
+    assert set(p.stages) == set(SEND_STAGES) and list(d.stages) == list(RECV_STAGES)
+    assert max(p.stages.values()) == p.stages["done"] and min(p.stages.values()) == p.stages["offered"]
+    stamps = list(d.stages.values())
+    assert stamps == sorted(stamps), d.stages
+    assert d.stages["expected"] <= p.stages["destinations"] <= p.stages["done"] <= d.stages["done"]
+    assert p.bytes == d.bytes > 0
+    p_stats, d_stats = pair.p.stats(), pair.d.stats()
+    assert p_stats is not None and d_stats is not None
+    p_spans = dict(p_stats.data["stage_s"])
+    assert len(p_spans) == 3 and all(s >= 0 for s in p_spans.values())
+    assert sum(p_spans.values()) == pytest.approx(p.stages["done"] - p.stages["offered"])
+    assert {name for name, _ in d_stats.data["stage_s"]} == {
+        "expected->destinations_sent",
+        "destinations_sent->first_layer",
+        "first_layer->done",
+        "done->reported",
+    }
