@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import msgspec
 
 from pd_connector.transport.base import BlockCopy, MemoryRegion
+from pd_connector.transport.coalesce import coalesce
 
 #: Bytes per element for the dtypes KV caches use (names as ``str(torch.dtype)`` without ``torch.``).
 DTYPE_BYTES: dict[str, int] = {
@@ -291,12 +292,14 @@ class BlockMapping:
         end_token: int,
         heads: HeadSlice | None = None,
     ) -> list[tuple[int, int, int]]:
-        """Coalesced ``(src granule, dst granule, granules)`` runs moving tokens ``[start_token, end_token)``.
+        """Coalesced ``(src granule, dst granule, granules)`` runs moving tokens ``[start_token, end_token)``,
+        sorted by source (merged by the transports' coalescer, ``transport.coalesce``).
 
         ``heads``: the head slice D takes from this P (None: every head; both sides hold the same ones). The
         same runs serve every layer (only the region differs), so callers compute them once per range.
         Heads-major layouts copy whole blocks (of the slice's heads), so the range is widened to block
-        boundaries. Raises ``ValueError`` when a table is too short for the range or the slice does not fit.
+        boundaries. Raises ``ValueError`` when a table is too short for the range, the slice does not fit or
+        D's table names a block twice.
         """
         g = self.prefill.granule_tokens
         start, end = (start_token // g) * g, -(-end_token // g) * g
@@ -316,7 +319,7 @@ class BlockMapping:
             if sl.src_head + sl.num_heads > hp or sl.dst_head + sl.num_heads > hd or sl.num_heads <= 0:
                 raise ValueError(f"head slice {sl} does not fit {hp} prefill and {hd} decode heads")
             src_head, dst_head, width = sl.src_head, sl.dst_head, sl.num_heads
-        runs: list[tuple[int, int, int]] = []
+        spans: list[BlockCopy] = []
         t = start
         while t < end:
             # Cut at the next block boundary on either side: inside that span both sides are contiguous.
@@ -329,12 +332,9 @@ class BlockMapping:
                 src = src_blocks[t // ps] * hp + src_head
                 dst = dst_blocks[t // ds] * hd + dst_head
                 n = width
-            if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
-            else:
-                runs.append((src, dst, n))
+            spans.append(BlockCopy(0, src, dst, n))
             t = nxt
-        return runs
+        return [(src, dst, n) for _, src, dst, n in coalesce(spans)]
 
     def layer_copies(self, layer: int, runs: Sequence[tuple[int, int, int]]) -> list[BlockCopy]:
         """The transport copies of ``runs`` for every buffer (K and V when split) of ``layer``."""

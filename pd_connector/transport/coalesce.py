@@ -1,4 +1,7 @@
-"""Turn a list of block copies into few large byte spans (called by every transport's ``write``).
+"""Turn a list of block copies into few large runs: the one coalescer of the connector.
+
+Who calls it: every transport's ``write`` (through ``regions.plan``, on the thread that plans the write) and
+``layout.BlockMapping.runs`` (the transfer engine, once per pushed token range).
 
 Engines hand over one entry per block (vLLM block ids); a 4096-token prompt is 256 entries per layer. Sorting
 by (region, source, destination) and merging runs that are contiguous on *both* sides makes that a handful

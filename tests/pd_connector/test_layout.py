@@ -82,15 +82,15 @@ def test_token_major_block_sizes_are_mapped() -> None:
     d = msgspec.structs.replace(SGL, block_tokens=32)
     check_compatible(p, d)
     check_compatible(d, p)
-    # P blocks [7, 3] (tokens 0-15, 16-31) land in the two halves of D block 5.
+    # P blocks [7, 3] (tokens 0-15, 16-31) land in the two halves of D block 5 (runs in source order).
     copies = BlockMapping(p, d).copies(
         layer=1, src_blocks=[7, 3], dst_blocks=[5], start_token=0, end_token=32
     )
     assert copies == [
-        BlockCopy(2, 7 * 16, 5 * 32, 16),
         BlockCopy(2, 3 * 16, 5 * 32 + 16, 16),
-        BlockCopy(3, 7 * 16, 5 * 32, 16),
+        BlockCopy(2, 7 * 16, 5 * 32, 16),
         BlockCopy(3, 3 * 16, 5 * 32 + 16, 16),
+        BlockCopy(3, 7 * 16, 5 * 32, 16),
     ]
 
 
@@ -105,4 +105,6 @@ def test_heads_major_range_widens_to_whole_blocks() -> None:
 def test_runs_coalesce_when_both_sides_continue() -> None:
     m = BlockMapping(SGL, SGL)  # 1-token blocks: every token is its own block
     assert m.runs([4, 5, 6, 9], [10, 11, 12, 13], 0, 4) == [(4, 10, 3), (9, 13, 1)]
+    with pytest.raises(ValueError, match="written twice"):  # D's table names block 5 twice
+        m.runs([1, 2], [5, 5], 0, 2)
     assert m.layer_copies(2, [(4, 10, 3)]) == [BlockCopy(4, 4, 10, 3), BlockCopy(5, 4, 10, 3)]
