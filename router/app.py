@@ -32,6 +32,7 @@ from router.policy import make_policy
 from router.proxy import Proxy
 from router.requests import Kind, check_media_type, decode_json, parse
 from router.tokenize import PromptTokenizer
+from router.trace import Tracer
 from router.upstream import check_health
 
 log = logging.getLogger("router.app")
@@ -59,11 +60,15 @@ class RouterState:
         self.upstream: Pool | None = None  # request legs and health checks
         self.checker: HealthChecker | None = None
         self.proxy: Proxy | None = None
+        self.tracer: Tracer | None = None
 
     async def start(self) -> None:
         self.upstream = Pool(self.cfg.timeouts.connect_s)
         policy = make_policy(self.cfg.policy, self.cfg.decode_prefills())
-        self.proxy = Proxy(self.cfg, self.balancer, policy, self.upstream, self.metrics, self.rng)
+        self.tracer = Tracer(self.metrics.registry, self.cfg.server.trace_path)
+        self.proxy = Proxy(
+            self.cfg, self.balancer, policy, self.upstream, self.metrics, self.tracer, self.rng
+        )
         self.checker = HealthChecker(self.cfg.health, self._check, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
         self.checker.start()
@@ -90,6 +95,8 @@ class RouterState:
             await self.checker.stop()
         if self.upstream is not None:
             self.upstream.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 STATE = web.AppKey("state", RouterState)

@@ -51,6 +51,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Seconds requests in flight get to finish after SIGINT/SIGTERM before they are cancelled.
     shutdown_timeout_s: float = 60.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Append one JSON line per P->D request (transfer id, when each stage happened in the router) to this
+    # file; "" = off. The engines' ``trace_path`` records join it on the transfer id.
+    trace_path: str = ""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

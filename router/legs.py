@@ -10,6 +10,7 @@ D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Awaitable
 from typing import Any
@@ -20,6 +21,7 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
+from router.trace import Stamps
 from router.upstream import (
     UpstreamError,
     bootstrap_room,
@@ -77,11 +79,12 @@ class Legs:
         prefill: Worker | None,
         failed: set[Worker],
         extra: dict[str, Any],
+        stamps: Stamps | None = None,
     ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
         """D's body for ``body`` (plus ``extra`` fields), whether it is the local path, and a concurrent P leg.
 
         ``raw``: ``body``'s bytes when the client sent exactly these (forwarded as they are on the local
-        path); ``tokens``: the prompt length P's lease counts.
+        path); ``tokens``: the prompt length P's lease counts; ``stamps``: the request's trace (P->D only).
         """
         local = raw if raw is not None and not extra else msgspec.json.encode({**body, **extra})
         if prefill is None:
@@ -89,11 +92,17 @@ class Legs:
         flow = self.cfg.flow
         transfer, room = transfer_id(), bootstrap_room(self.rng)
         p_body = prefill_body(body, flow, transfer, prefill, room)
+        if stamps is not None:
+            stamps.transfer_id = transfer
+            stamps.mark("prefill_sent")
         if flow == "vllm-standard":
             for candidate in self._prefill_candidates(prefill, failed):
                 try:
                     data = await self._post_prefill(candidate, path, p_body, tokens)
                     params = returned_params(data)
+                    if stamps is not None:  # the engines know this transfer by P's id
+                        stamps.transfer_id = params.pd_transfer_id
+                        stamps.mark("prefill_returned")
                 except UpstreamError as e:
                     self.fail(candidate, e, failed)
                     continue
@@ -102,6 +111,8 @@ class Legs:
             return local, True, None  # no prefill worker succeeded: D prefills locally
         task = asyncio.create_task(self._post_prefill(prefill, path, p_body, tokens))
         task.add_done_callback(_consume)
+        if stamps is not None:
+            task.add_done_callback(functools.partial(_returned, stamps))
         d_body = decode_body(body, flow, transfer, prefill, room)
         return msgspec.json.encode({**d_body, **extra}), False, task
 
@@ -137,13 +148,19 @@ class Legs:
             if not d_task.done():
                 d_task.cancel()
 
-    async def first_event(self, worker: Worker, path: str, body: bytes) -> tuple[Response, bytes]:
+    async def first_event(
+        self, worker: Worker, path: str, body: bytes, stamps: Stamps | None = None
+    ) -> tuple[Response, bytes]:
         """Open D's stream and read its first event within ``timeouts.first_byte_s``."""
         resp: Response | None = None
         try:
             async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
+                if stamps is not None:
+                    stamps.mark("decode_sent")
                 resp = await open_stream(self.upstream, worker, path, body)
                 first = await read_event(resp, worker)
+                if stamps is not None:
+                    stamps.mark("decode_first_event")
         except TimeoutError:
             if resp is not None:
                 resp.close()
@@ -156,6 +173,12 @@ class Legs:
             resp.close()
             raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
         return resp, first
+
+
+def _returned(stamps: Stamps, task: asyncio.Task[bytes]) -> None:
+    """A concurrent P leg answered (not when it failed or its attempt ended first)."""
+    if not task.cancelled() and task.exception() is None:
+        stamps.mark("prefill_returned")
 
 
 def _consume(task: asyncio.Task[bytes]) -> None:

@@ -41,6 +41,7 @@ from router.relay import ClientGone, relay, write_error
 from router.requests import Parsed
 from router.resume import resume
 from router.streaming import StreamState
+from router.trace import Stamps, Tracer
 from router.upstream import UpstreamError, post_json
 
 log = logging.getLogger("router.proxy")
@@ -60,6 +61,7 @@ class Proxy:
         policy: Policy,
         upstream: Pool,
         metrics: RouterMetrics,
+        tracer: Tracer,
         rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
@@ -67,6 +69,7 @@ class Proxy:
         self.policy = policy
         self.upstream = upstream
         self.metrics = metrics
+        self.tracer = tracer
         self.rng = rng or random.Random()
         self.legs = Legs(cfg, balancer, upstream, metrics, self.rng)
         self.pending = 0
@@ -164,15 +167,24 @@ class Proxy:
             if prefill is None and route is Route.DISAGG and not self.cfg.decode_prefills():
                 missing = "prefill"
                 break
+            stamps = Stamps(start) if prefill is not None else None
+            ending = "ok"
             try:
                 if parsed.stream:
-                    return await self._stream(client, parsed, path, decode, prefill, failed, start)
-                return await self._unary(parsed, path, decode, prefill, failed)
+                    return await self._stream(client, parsed, path, decode, prefill, failed, start, stamps)
+                return await self._unary(parsed, path, decode, prefill, failed, stamps)
             except UpstreamError as e:
+                ending = e.kind
                 if e.client_error:
                     return json_reply(e.status, e.body)
                 last = e
                 log.warning("attempt %d failed: %s", attempt + 1, e)
+            except BaseException as e:
+                ending = type(e).__name__
+                raise
+            finally:
+                if stamps is not None:
+                    self.tracer.end(stamps, ending)
         if last is None:
             raise _unavailable(missing, self.cfg.server.retry_after_s)
         if last.status == 429:
@@ -184,18 +196,29 @@ class Proxy:
     # ---- one attempt -------------------------------------------------------------------------------------
 
     async def _unary(
-        self, parsed: Parsed, path: str, decode: Worker, prefill: Worker | None, failed: set[Worker]
+        self,
+        parsed: Parsed,
+        path: str,
+        decode: Worker,
+        prefill: Worker | None,
+        failed: set[Worker],
+        stamps: Stamps | None,
     ) -> Reply:
         body, local, p_task = await self.legs.start(
-            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, {}
+            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, {}, stamps
         )
         try:
             with self.balancer.lease(decode):
                 try:
+                    if stamps is not None:
+                        stamps.mark("decode_sent")
                     data = await self.legs.guarded(p_task, post_json(self.upstream, decode, path, body))
                 except UpstreamError as e:
                     self.legs.blame(e, decode, prefill, failed)
                     raise
+            if stamps is not None:
+                stamps.mark("decode_first_event")
+                stamps.mark("client_first_byte")
             decode.circuit.record_success()
             route = "local" if local else "disagg"
             return json_reply(200, data, {ROUTE_HEADER: route})
@@ -211,19 +234,22 @@ class Proxy:
         prefill: Worker | None,
         failed: set[Worker],
         start: float,
+        stamps: Stamps | None,
     ) -> Reply | None:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
         strip = _wants_ids(parsed, decode)
         extra = {"return_token_ids": True} if strip else {}
         body, local, p_task = await self.legs.start(
-            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, extra
+            path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, extra, stamps
         )
         route = "local" if local else "disagg"
         state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
         try:
             with self.balancer.lease(decode):
                 try:
-                    resp, first = await self.legs.guarded(p_task, self.legs.first_event(decode, path, body))
+                    resp, first = await self.legs.guarded(
+                        p_task, self.legs.first_event(decode, path, body, stamps)
+                    )
                 except UpstreamError as e:
                     self.legs.blame(e, decode, prefill, failed)
                     raise
@@ -232,6 +258,8 @@ class Proxy:
                         await client.start({**_SSE_HEADERS, ROUTE_HEADER: route})
                     except ConnectionError:
                         raise ClientGone from None
+                    if stamps is not None:
+                        stamps.mark("client_first_byte")
                     self.metrics.ttft_for(route).observe(time.monotonic() - start)
                     err = await relay(
                         client,

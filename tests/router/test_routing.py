@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 import pytest
 
 from pd_connector import wire
+from pd_connector.trace import read_trace
+from router.trace import STAGES
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import events, normalized, payloads, text_of
 
@@ -193,3 +197,36 @@ async def test_admin_add_drain_remove(make_cluster) -> None:
     bad = await c.router.post("/admin/workers", json={"role": "prefill", "worker": {"url": "http://x:1"}})
     assert bad.status == 400 and "bootstrap" in (await bad.json())["error"]["message"]
     assert (await c.router.post("/admin/workers", json={"role": "both", "worker": {"url": d1}})).status == 400
+
+
+@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_disaggregated_request_is_traced_under_its_transfer_id(
+    make_cluster, tmp_path: Path, flow: str, stream: bool
+) -> None:
+    """The router's record of a P->D request joins D's on the transfer id D was given, has every stage in a
+    possible order, and its spans reach ``pd_router_stage_seconds``; a request to D alone is not traced."""
+    trace = tmp_path / "router.jsonl"
+    c = await make_cluster(n_decode=1, flow=flow, server__trace_path=str(trace))
+    for prompt in (long_prompt(), short_prompt()):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": stream}
+        r = await c.router.post("/v1/completions", json=body)
+        assert r.status == 200
+        await r.read()
+    (record,) = read_trace(str(trace))
+    d_params = c.decode[0].requests[0]["kv_transfer_params"]
+    assert (record.component, record.transfer_id, record.state) == (
+        "router",
+        d_params["pd_transfer_id"],
+        "ok",
+    )
+    assert set(record.stages) == set(STAGES)
+    at = record.stages
+    assert at["received"] <= at["prefill_sent"] <= at["decode_sent"] <= at["decode_first_event"]
+    assert (
+        at["prefill_sent"] <= at["prefill_returned"] and at["decode_first_event"] <= at["client_first_byte"]
+    )
+    if flow == "vllm-standard":  # D's leg waits for P's answer
+        assert at["prefill_returned"] <= at["decode_sent"]
+    metrics = await (await c.router.get("/metrics")).text()
+    assert 'pd_router_stage_seconds_count{stage="received->prefill_sent"} 1.0' in metrics

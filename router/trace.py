@@ -1,0 +1,75 @@
+"""The router's part of the first-token trace: when each stage of a P->D request happened in the router.
+
+``Proxy`` (router process, one ``Stamps`` per disaggregated request attempt) marks the stages as the request
+passes them; ``Tracer.end`` exports the spans between them as ``pd_router_stage_seconds{stage}`` and, with
+``[server] trace_path`` set, appends a ``pd_connector.trace.TraceRecord`` (component ``router``) that joins the
+engines' records on the transfer id (docs/architecture.md ``## First-token trace``).
+
+Stages, in their usual order: ``received`` (the request reached the proxy), ``prefill_sent`` (P's leg
+posted), ``decode_sent`` (D's leg posted or its stream opened), ``prefill_returned`` (P's leg answered: before
+D's leg in vllm-standard, concurrently in the other flows), ``decode_first_event`` (D's first event or unary
+answer), ``client_first_byte`` (the response started towards the client).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from pd_connector.trace import TraceRecord, TraceWriter
+
+STAGES = (
+    "received",
+    "prefill_sent",
+    "decode_sent",
+    "prefill_returned",
+    "decode_first_event",
+    "client_first_byte",
+)
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Stamps:
+    """The stages one disaggregated request passed in the router (first stamp of each stage kept)."""
+
+    __slots__ = ("stamps", "transfer_id")
+
+    def __init__(self, received: float) -> None:
+        """``received``: the ``time.monotonic()`` reading taken when the request arrived."""
+        self.transfer_id = ""
+        self.stamps: dict[str, float] = {}
+        self.mark("received", received)
+
+    def mark(self, stage: str, monotonic_at: float | None = None) -> None:
+        if stage not in self.stamps:
+            now = time.time()
+            self.stamps[stage] = now if monotonic_at is None else now - (time.monotonic() - monotonic_at)
+
+
+class Tracer:
+    """Exports each ended request's stamps: histograms always, trace lines when a path is configured."""
+
+    def __init__(self, registry: CollectorRegistry, trace_path: str = "") -> None:
+        self._stages = Histogram(
+            "pd_router_stage_seconds",
+            "P->D requests: seconds between consecutive stages in the router (label stage 'a->b', in the order "
+            "they happened; docs/architecture.md, First-token trace)",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+        self._writer = TraceWriter(trace_path) if trace_path else None
+
+    def end(self, stamps: Stamps, state: str) -> None:
+        """A disaggregated request ended (``state``: ``ok`` or why not)."""
+        seen = sorted((t, STAGES.index(s), s) for s, t in stamps.stamps.items())
+        for (ta, _, a), (tb, _, b) in itertools.pairwise(seen):
+            self._stages.labels(f"{a}->{b}").observe(tb - ta)
+        if self._writer is not None:
+            self._writer.write(TraceRecord("router", stamps.transfer_id, dict(stamps.stamps), state))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
