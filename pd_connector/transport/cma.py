@@ -3,9 +3,8 @@
 Why it exists next to ``ucx``: UCX's shared-memory path is the same syscall, but with error handling off (which
 UCX requires for it) a put into a peer that died aborts the *sending* process, so a prefill server would die
 with its decode server; and UCX's per-put cost makes small and scattered writes slower (docs/performance.md
-``## transport`` has the ratios). Here a dead
-peer is just an errno (``ESRCH``/``EFAULT``): the write's future fails with ``CmaError`` naming the peer and
-the sender goes on.
+``## transport`` has the ratios). Here a dead peer is just an errno (``ESRCH``/``EFAULT``): the write's future
+fails with ``CmaError`` naming the peer and the sender goes on.
 
 Who calls what:
 - Receiver (D), engine thread: ``register`` advises the regions to huge pages (``hugepages``), allows
@@ -21,8 +20,8 @@ Who calls what:
   partial writes, and resolves the future with the byte count.
 
 The I/O thread is a ``WorkThread`` (``QueuedTransport``; it sleeps in epoll when idle). Syscalls run there
-through ctypes, which releases the GIL, so engine threads keep running while bytes move. Futures resolve on
-that thread: done-callbacks must be quick; ``detach`` from one runs inline.
+through ctypes (``cma_syscalls``), which releases the GIL, so engine threads keep running while bytes move.
+Futures resolve on that thread: done-callbacks must be quick; ``detach`` from one runs inline.
 
 The pid could be reused after the peer exits; before every syscall the I/O thread polls the peer's pidfd, so
 a peer that exited is never written to (between poll and syscall its pid would have to be reaped and reused).
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import logging
 import os
 import secrets
@@ -43,32 +41,22 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from . import hugepages
 from .base import BlockCopy, MemoryRegion
-from .coalesce import COUNT
+from .cma_syscalls import CmaError, Iovecs, allow_writers, build_iovecs, call_bounds, errno_error, vm_call
 from .futures import fail, failed, running
 from .host import boot_id, pid_namespace
 from .queued import QueuedTransport
-from .regions import RegionIndex, RegionInfo, Spans, plan
+from .regions import RegionIndex, RegionInfo, plan
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-#: Most iovec entries one ``process_vm_writev`` accepts (``UIO_MAXIOV``).
-IOV_MAX = 1024
 #: Bytes of the receiver's probe buffer (a random token the sender reads back and rewrites at attach).
 PROBE_BYTES = 16
-_YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
-_PR_SET_PTRACER = 0x59616D61
-_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 #: Largest ``segment_bytes``: Linux caps one call at ``MAX_RW_COUNT`` (2 GiB - 4 KiB).
 _MAX_SEGMENT = 1 << 30
-
-
-class CmaError(ConnectionError):
-    """A peer cannot be written to (gone, other host or namespace, no permission); names the peer."""
 
 
 @dataclass(frozen=True)
@@ -118,22 +106,6 @@ class _Peer:
         self.exited.register(self.pidfd, select.POLLIN)
 
 
-class Iovecs:
-    """Matching local and remote ``struct iovec`` arrays (uint64 pairs: base, length) for one write."""
-
-    def __init__(self, local: npt.NDArray[np.uint64], remote: npt.NDArray[np.uint64]) -> None:
-        self.local, self.remote = local, remote
-
-    def __len__(self) -> int:
-        return len(self.local)
-
-    def advance(self, index: int, nbytes: int) -> None:
-        """Drop the first ``nbytes`` of piece ``index`` (after a partial write)."""
-        for iov in (self.local, self.remote):
-            iov[index, 0] += np.uint64(nbytes)
-            iov[index, 1] -= np.uint64(nbytes)
-
-
 @dataclass(frozen=True)
 class _Planned:
     """A write checked and turned into iovecs for ``peer`` (by ``write`` on the engine thread)."""
@@ -141,92 +113,6 @@ class _Planned:
     peer: _Peer
     iovecs: Iovecs
     nbytes: int
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """The C library with the prototypes we call (``use_errno``: errno is read right after each call)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for name in ("process_vm_writev", "process_vm_readv"):
-        fn = getattr(libc, name)
-        fn.argtypes = (
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_void_p,
-            ctypes.c_ulong,
-            ctypes.c_ulong,
-        )
-        fn.restype = ctypes.c_ssize_t
-    libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
-    libc.prctl.restype = ctypes.c_int
-    return libc
-
-
-def vm_call(write: bool, pid: int, iovecs: Iovecs, start: int, stop: int) -> int:
-    """One ``process_vm_writev``/``readv`` over pieces ``[start, stop)``; returns bytes moved or ``-errno``."""
-    fn = _libc().process_vm_writev if write else _libc().process_vm_readv
-    offset = start * iovecs.local.itemsize * 2
-    count = stop - start
-    while True:
-        done = fn(pid, iovecs.local.ctypes.data + offset, count, iovecs.remote.ctypes.data + offset, count, 0)
-        if done >= 0:
-            return int(done)
-        code = ctypes.get_errno()
-        if code != errno.EINTR:
-            return -code
-
-
-def build_iovecs(spans: Spans, segment_bytes: int) -> Iovecs:
-    """Checked spans -> absolute iovecs, runs cut into ``segment_bytes`` pieces."""
-    sizes = spans.table[:, COUNT]
-    pieces = -(-sizes // segment_bytes)
-    span_of = np.repeat(np.arange(len(sizes)), pieces)
-    offset = (np.arange(len(span_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * segment_bytes
-    local = np.empty((len(span_of), 2), dtype=np.uint64)
-    remote = np.empty_like(local)
-    local[:, 0] = spans.local_address[span_of] + offset
-    remote[:, 0] = spans.remote_address[span_of] + offset
-    local[:, 1] = remote[:, 1] = np.minimum(segment_bytes, sizes[span_of] - offset)
-    return Iovecs(local, remote)
-
-
-def call_bounds(lengths: npt.NDArray[np.uint64], segment_bytes: int) -> list[tuple[int, int, int]]:
-    """Group pieces into syscalls of at most ``IOV_MAX`` pieces and ``segment_bytes`` bytes (>= 1 piece):
-    ``(start, stop, nbytes)`` per call, so a complete call is recognised without touching numpy again."""
-    ends = np.cumsum(lengths.astype(np.int64))
-    bounds: list[tuple[int, int, int]] = []
-    start, before = 0, 0
-    while start < len(lengths):
-        stop = int(np.searchsorted(ends, before + segment_bytes, side="right"))
-        stop = max(min(stop, start + IOV_MAX), start + 1)
-        end = int(ends[stop - 1])
-        bounds.append((start, stop, end - before))
-        start, before = stop, end
-    return bounds
-
-
-def allow_writers() -> None:
-    """Let same-user processes write into this one under Yama (``ptrace_scope`` 1); refuse scope >= 2.
-
-    Called by the receiver's ``register``. Without Yama (or scope 0) the kernel's normal rule applies: same
-    user and a dumpable process, nothing to do.
-    """
-    try:
-        with open(_YAMA_SCOPE) as f:
-            scope = int(f.read().strip())
-    except (OSError, ValueError):
-        return
-    if scope == 0:
-        return
-    if scope >= 2:
-        raise CmaError(
-            f"cma transport: kernel.yama.ptrace_scope is {scope}, so no ordinary process may write into this one; "
-            "set it to 0 or 1 (sysctl kernel.yama.ptrace_scope=1) or use the tcp or ucx transport"
-        )
-    if _libc().prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
-        code = ctypes.get_errno()
-        raise CmaError(f"cma transport: prctl(PR_SET_PTRACER, ANY) failed: {os.strerror(code)}")
 
 
 class CmaTransport(QueuedTransport[_Peer]):
@@ -339,7 +225,7 @@ class CmaTransport(QueuedTransport[_Peer]):
                     return CmaError(f"cma transport: peer {peer_id} (pid {peer.pid}) exited")
                 done = vm_call(True, peer.pid, iovecs, start, stop)
                 if done <= 0:
-                    return _error(peer_id, peer.pid, -done if done else errno.EFAULT)
+                    return errno_error(peer_id, peer.pid, -done if done else errno.EFAULT)
                 if done == expected:
                     break
                 ends = np.cumsum(iovecs.local[start:stop, 1].astype(np.int64))
@@ -412,18 +298,6 @@ def probe(peer_id: str, desc: CmaDescriptor) -> None:
     for write in (False, True):
         done = vm_call(write, desc.pid, iov, 0, 1)
         if done < 0:
-            raise _error(peer_id, desc.pid, -done)
+            raise errno_error(peer_id, desc.pid, -done)
         if done != PROBE_BYTES or (not write and buffer.raw != desc.token):
             raise CmaError(f"cma transport: pid {desc.pid} is not the process that registered {peer_id}")
-
-
-def _error(peer_id: str, pid: int, code: int) -> CmaError:
-    why = {
-        errno.ESRCH: "exited",
-        errno.EFAULT: "no longer has the registered memory mapped (exiting or deregistered)",
-        errno.EPERM: (
-            "may not be written by this process: run both as the same user, keep them dumpable and allow "
-            "ptrace (kernel.yama.ptrace_scope <= 1, no seccomp/AppArmor denial), or use the tcp or ucx transport"
-        ),
-    }.get(code, f"failed: {os.strerror(code)}")
-    return CmaError(f"cma transport: peer {peer_id} (pid {pid}) {why}")

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from pd_connector.transport import cma
+from pd_connector.transport import cma, cma_syscalls
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.cma import CmaConfig, CmaDescriptor, CmaError, CmaTransport
 from pd_connector.transport.regions import RegionInfo, Spans
@@ -121,13 +121,14 @@ def test_attach_without_ptrace_permission_says_what_to_configure(peer_factory: t
 def test_yama_scope_2_is_refused_at_register(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     scope = tmp_path / "ptrace_scope"
     scope.write_text("2\n")
-    monkeypatch.setattr(cma, "_YAMA_SCOPE", str(scope))
+    monkeypatch.setattr(cma_syscalls, "_YAMA_SCOPE", str(scope))
     transport = CmaTransport()
     try:
         _, regions = local_regions(1, 4, 4096, seed=0)
         with pytest.raises(CmaError, match="ptrace_scope is 2"):
             transport.register(regions)
-        monkeypatch.setattr(cma, "_YAMA_SCOPE", str(tmp_path / "absent"))  # no Yama: nothing to allow
+        # no Yama: nothing to allow
+        monkeypatch.setattr(cma_syscalls, "_YAMA_SCOPE", str(tmp_path / "absent"))
         assert transport.register(regions)
     finally:
         transport.close()
@@ -151,16 +152,16 @@ def test_runs_are_cut_into_segments_and_calls_respect_iov_max() -> None:
         local_base[table[:, 0]] + table[:, 1],
         remote_base[table[:, 0]] + table[:, 2],
     )
-    iov = cma.build_iovecs(spans, seg)
+    iov = cma_syscalls.build_iovecs(spans, seg)
     assert iov.local[:3].tolist() == [[1 << 40, seg], [(1 << 40) + seg, seg], [(1 << 40) + 2 * seg, 2 << 20]]
     assert iov.remote[:3, 0].tolist() == [(3 << 40) + 4096 + k * seg for k in range(3)]
     assert iov.remote[3:5].tolist() == [[4 << 40, 4096], [(4 << 40) + 4096, 4096]]
     assert iov.local[4, 0] == (2 << 40) + 8192
-    bounds = cma.call_bounds(iov.local[:, 1], seg)
+    bounds = cma_syscalls.call_bounds(iov.local[:, 1], seg)
     assert bounds[0] == (0, 1, seg) and bounds[-1][1] == len(iov) == 3 + 3000
     assert all(b[0] == a[1] for a, b in itertools.pairwise(bounds))  # contiguous, no gaps
     for start, stop, nbytes in bounds:
-        assert stop - start <= cma.IOV_MAX
+        assert stop - start <= cma_syscalls.IOV_MAX
         assert nbytes == int(iov.local[start:stop, 1].sum())
         assert stop - start == 1 or nbytes <= seg
 
@@ -170,16 +171,16 @@ def test_partial_writes_are_continued(
 ) -> None:
     """The kernel may move fewer bytes than asked: here every real syscall moves only half of its first
     piece, so a write takes hundreds of calls, and still every byte lands in the right place."""
-    real = cma.vm_call
+    real = cma_syscalls.vm_call
     calls = 0
 
-    def half_of_first_piece(write: bool, pid: int, iovecs: cma.Iovecs, start: int, stop: int) -> int:
+    def half_of_first_piece(write: bool, pid: int, iovecs: cma_syscalls.Iovecs, start: int, stop: int) -> int:
         nonlocal calls
         calls += 1
         first = iovecs.local[start : start + 1].copy(), iovecs.remote[start : start + 1].copy()
         for iov in first:
             iov[0, 1] = max(int(iov[0, 1]) // 2, 1)
-        return real(write, pid, cma.Iovecs(*first), 0, 1)
+        return real(write, pid, cma_syscalls.Iovecs(*first), 0, 1)
 
     blocks, block_bytes = 16, 4096
     peer = peer_factory("cma", "", 2, blocks, block_bytes)
