@@ -1,5 +1,9 @@
 """Data plane over UCX (``ucxx``): one-sided RMA puts into the peer's registered KV memory.
 
+Who calls it: the transfer engine, from engine threads (``Transport`` methods), in both roles of an engine
+worker process that runs ``transport = ucx`` (or ``auto`` with ``ucxx`` installed; built by ``factory``).
+Hand-off to its I/O thread and the ordered close are ``queued.QueuedTransport``'s.
+
 Why this shape:
 - Endpoints are made from the peer's *worker address* (carried in the descriptor) with error handling off,
   which lets UCX pick shared memory (posix + cma) between processes on one host, and tcp or RDMA (with a
