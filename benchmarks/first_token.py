@@ -1,0 +1,284 @@
+"""The P/D path's fixed cost: TTFT and ITL through pd-router (P->D) against colocated, per prompt length, with
+where the first token's time went.
+
+Per model (``--models``: the tiny test model and the bench model), one P (core 0), one D (core 1) and pd-router
+(flow pd-push, every prompt P->D) run with the first-token trace on (P, D and the router append to one trace
+file, docs/architecture.md ``## First-token trace``). For each prompt length (``--lengths``) and repetition,
+in shuffled order and each with a fresh random token-id prompt (no prefix-cache hits), three streamed
+requests are timed on the client side:
+- ``pd``: through pd-router (P->D);
+- ``colocated``: straight to D, no transfer (D prefills and decodes);
+- ``prefill``: straight to P with ``max_tokens`` 1: P's prefill alone.
+``fixed_overhead_ms`` is, per repetition, TTFT pd minus the prefill request's TTFT (what the P/D path adds
+to P's own prefill), then the median. ITL is the gaps between the events the client got (one per token
+unless an engine merged them), pd vs colocated. ``stages_ms`` is the median of each span between anchor
+stamps of the P/D requests' trace records (see ``SPANS``): what the fixed cost is made of.
+
+Progress on stderr; the last stdout line is the JSON summary; ``--plot`` writes a PNG of the stages
+(docs/performance.md ``## first_token``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pd_connector.trace import TraceRecord, read_trace
+from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
+from pd_disagg.servers import ManagedServer, free_port
+from pd_disagg.tiny_model import bench_model
+
+LOG_DIR = Path("logs/benchmarks/first_token")
+SERVED = "model"
+#: The first token's path as spans between anchor stamps, in order: (name, (component, stage) from, to).
+#: Their sum is the router's TTFT; components are the trace records' (prefill, decode, router).
+SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
+    ("router_in", ("router", "received"), ("router", "prefill_sent")),
+    ("to_p_engine", ("router", "prefill_sent"), ("prefill", "offered")),
+    ("p_prefill", ("prefill", "offered"), ("prefill", "prompt_done")),
+    ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
+    ("done_to_d", ("prefill", "done"), ("decode", "done")),
+    ("d_report", ("decode", "done"), ("decode", "reported")),
+    ("d_first_token", ("decode", "reported"), ("router", "decode_first_event")),
+    ("router_out", ("router", "decode_first_event"), ("router", "client_first_byte")),
+)
+
+
+def log(msg: str) -> None:
+    print(f"[first_token] {msg}", file=sys.stderr, flush=True)
+
+
+def stream(url: str, body: dict[str, Any]) -> tuple[list[float], str]:
+    """POST a streamed completion; seconds from sending until each event, and the route pd-router took."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:300]!r}")
+    arrivals: list[float] = []
+    while line := resp.readline():
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            arrivals.append(time.perf_counter() - t0)
+    conn.close()
+    return arrivals, resp.getheader("X-PD-Route") or ""
+
+
+def body(tokens: int, max_tokens: int, rng: random.Random, vocab: int) -> dict[str, Any]:
+    """A fresh random prompt of ``tokens`` token ids (no prefix-cache hit), greedy, exactly ``max_tokens``."""
+    prompt = [rng.randrange(10, vocab) for _ in range(tokens)]
+    return {
+        "model": SERVED,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
+class Cluster:
+    """P, D and pd-router for one model, with the trace on; stopped by ``close`` (also on failure)."""
+
+    def __init__(self, name: str, model: Path, transport: str, max_len: int) -> None:
+        self.trace = (LOG_DIR / f"{name}-trace.jsonl").resolve()
+        self.trace.parent.mkdir(parents=True, exist_ok=True)
+        self.trace.unlink(missing_ok=True)
+        side = free_port()
+        extra = {"transport": transport, "trace_path": str(self.trace)}
+        kv = {
+            "prefill": {
+                "kv_connector": "PDConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {**extra, "side_channel_port": side},
+            },
+            "decode": {
+                "kv_connector": "PDConnector",
+                "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra,
+            },
+        }
+        self.p, self.d = (
+            vllm_server(
+                model,
+                log_dir=LOG_DIR,
+                name=f"{name}-{role}",
+                cpu_core=core,
+                max_model_len=max_len,
+                kv_transfer_config=kv[role],
+                extra_args=["--served-model-name", SERVED],
+            )
+            for role, core in (("prefill", 0), ("decode", 1))
+        )
+        self.servers: list[ManagedServer] = [self.p, self.d]
+        self.name, self.model, self.side, self.max_len = name, model, side, max_len
+        self.vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+        for server in self.servers:
+            server.wait_healthy(900)
+        config = write_router_config(
+            LOG_DIR / f"{self.name}-router.toml",
+            flow="pd-push",
+            sections={
+                "server": {"trace_path": str(self.trace)},
+                "model": {"path": str(self.model), "served_names": [SERVED], "max_model_len": self.max_len},
+                "policy": {"threshold_tokens": 1},
+            },
+            prefill=[{"url": base_url(self.p), "bootstrap": f"127.0.0.1:{self.side}"}],
+            decode=[{"url": base_url(self.d)}],
+        )
+        router = router_server(config, log_dir=LOG_DIR, port=free_port(), name=f"{self.name}-router")
+        self.servers.append(router)
+        router.start()
+        router.wait_healthy(120)
+        self.router = base_url(router)
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def stage_breakdown(records: list[TraceRecord]) -> dict[str, float]:
+    """Median milliseconds of each ``SPANS`` entry over the P/D requests whose three records are complete."""
+    by_id: dict[str, dict[str, dict[str, float]]] = {}
+    for record in records:
+        if record.transfer_id and (record.component == "router" or record.state == "done"):
+            by_id.setdefault(record.transfer_id, {})[record.component] = record.stages
+    values: dict[str, list[float]] = {name: [] for name, _, _ in SPANS}
+    for parts in by_id.values():
+        for name, (ca, sa), (cb, sb) in SPANS:
+            if sa in parts.get(ca, {}) and sb in parts.get(cb, {}):
+                values[name].append(1000 * (parts[cb][sb] - parts[ca][sa]))
+    return {name: round(statistics.median(v), 2) for name, v in values.items() if v}
+
+
+def measure(
+    cluster: Cluster, lengths: list[int], reps: int, max_tokens: int, rng: random.Random
+) -> dict[str, Any]:
+    """Every length ``reps`` times (shuffled), pd / colocated / prefill each with a fresh prompt."""
+    order = [(length, rep) for length in lengths for rep in range(reps)]
+    rng.shuffle(order)
+    vocab = cluster.vocab
+    for length in lengths:  # warm-up: first requests compile and allocate
+        stream(cluster.router, body(length, 2, rng, vocab))
+        stream(base_url(cluster.d), body(length, 2, rng, vocab))
+    cluster.trace.write_bytes(b"")  # only measured requests from here on
+    ttft: dict[tuple[int, str], list[float]] = {}
+    gaps: dict[tuple[int, str], list[float]] = {}
+    overhead: dict[int, list[float]] = {}
+    pd_ids: dict[int, set[str]] = {length: set() for length in lengths}
+    for i, (length, _) in enumerate(order):
+        seen = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"}
+        pd, route = stream(cluster.router, body(length, max_tokens, rng, vocab))
+        if route != "disagg":
+            raise RuntimeError(f"pd-router sent a {length}-token prompt {route!r}, not P->D")
+        new = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"} - seen
+        pd_ids[length] |= new
+        colocated, _ = stream(base_url(cluster.d), body(length, max_tokens, rng, vocab))
+        prefill, _ = stream(base_url(cluster.p), body(length, 1, rng, vocab))
+        for kind, arrivals in (("pd", pd), ("colocated", colocated), ("prefill", prefill)):
+            ttft.setdefault((length, kind), []).append(arrivals[0])
+            gaps.setdefault((length, kind), []).extend(b - a for a, b in itertools.pairwise(arrivals))
+        overhead.setdefault(length, []).append(pd[0] - prefill[0])
+        log(f"{cluster.name}: {i + 1}/{len(order)} ({length} tokens) ttft pd {pd[0] * 1000:.1f} ms")
+    records = read_trace(str(cluster.trace))
+    out: dict[str, Any] = {}
+    for length in lengths:
+        ms = {kind: 1000 * statistics.median(ttft[length, kind]) for kind in ("pd", "colocated", "prefill")}
+        out[str(length)] = {
+            "ttft_ms": {k: round(v, 2) for k, v in ms.items()},
+            "ttft_pd_vs_colocated": round(ms["pd"] / ms["colocated"], 3),
+            "fixed_overhead_ms": round(1000 * statistics.median(overhead[length]), 2),
+            "itl_ms": {
+                kind: {
+                    "p50": round(1000 * percentile(gaps[length, kind], 0.5), 2),
+                    "p99": round(1000 * percentile(gaps[length, kind], 0.99), 2),
+                }
+                for kind in ("pd", "colocated")
+            },
+            "stages_ms": stage_breakdown([r for r in records if r.transfer_id in pd_ids[length]]),
+        }
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Stacked bars: per model and length, the median of each first-token stage (ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{model}\n{length} tok" for model, per in results.items() for length in per]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4.5))
+    bottoms = [0.0] * len(labels)
+    for name, _, _ in SPANS:
+        values = [per[length]["stages_ms"].get(name, 0.0) for per in results.values() for length in per]
+        ax.bar(labels, values, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    colocated = [per[length]["ttft_ms"]["colocated"] for per in results.values() for length in per]
+    ax.scatter(labels, colocated, color="black", marker="_", s=400, zorder=3, label="colocated TTFT")
+    ax.set_ylabel("ms (median)")
+    ax.set_title("First token through pd-router (P->D), by stage")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="tiny,bench", help="comma-separated: tiny, bench")
+    parser.add_argument("--tiny-model", type=Path, default=Path(".cache/models/tiny-llama"))
+    parser.add_argument("--lengths", default="64,400,2000", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "cma"])
+    parser.add_argument("--plot", type=Path, help="write the stage breakdown as a PNG here")
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rng = random.Random(0)
+    results: dict[str, dict[str, Any]] = {}
+    for name in args.models.split(","):
+        model = {"tiny": args.tiny_model, "bench": bench_model()}[name]
+        cluster = Cluster(name, model.resolve(), args.transport, max(lengths) + args.max_tokens + 8)
+        try:
+            log(f"{name}: starting P, D and pd-router")
+            cluster.start()
+            results[name] = measure(cluster, lengths, args.reps, args.max_tokens, rng)
+        finally:
+            cluster.close()
+    if args.plot:
+        plot(results, args.plot)
+    summary = {
+        "results": results,
+        "conditions": {
+            "reps": args.reps,
+            "max_tokens": args.max_tokens,
+            "transport": args.transport,
+            "flow": "pd-push",
+        },
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
