@@ -9,5 +9,6 @@ down and has the support matrix):
   connections on an I/O thread), the KV layout check, the peer policy, and the per-request transfer engine
   (handshake, leases, timeouts, abort, metrics), shared by both engines.
 - ``wire``: the request fields a router sends each engine (docs/wire-contract.md).
+- ``settings``: the transfer settings both adapters and the engine share, defined once, and their parser.
 - ``vllm/`` and ``sglang/``: thin adapters that map each engine's connector API onto the transfer engine.
 """

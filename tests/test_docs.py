@@ -4,7 +4,9 @@ docs/configuration.md: each settings object's table names every field, with the 
 else: ``PDConnectorConfig`` (``## vLLM PDConnector``, the ``kv_connector_extra_config`` table),
 ``TransferConfig`` (``## pd_connector control plane``), ``SGLangBackendConfig``'s ``PD_SGLANG_*`` variables
 (``## SGLang backend``), ``TransportConfig`` (``## transport``), the router's Structs (``## router``, one table
-per TOML table) and ``SchedulerSettings`` (``## scheduler_plugins``). docs/wire-contract.md names every Struct
+per TOML table) and ``SchedulerSettings`` (``## scheduler_plugins``). The connector's shared settings
+(``pd_connector.settings``) have one definition: each adapter and the engine inherit them unchanged, each table
+documents them with that one default, and each transport table names every transport. docs/wire-contract.md names every Struct
 and field of ``pd_connector.wire``, and no field, Struct or ``wire.`` name that is not there.
 pd_connector/README.md's reading path names only files that exist.
 
@@ -26,9 +28,10 @@ import msgspec
 import pytest
 
 from pd_connector import wire
+from pd_connector.settings import ConnectorSettings, TransferSettings
 from pd_connector.sglang.config import ENV, SGLangBackendConfig
 from pd_connector.transfer import TransferConfig
-from pd_connector.transport.factory import TransportConfig
+from pd_connector.transport.factory import TRANSPORT_KINDS, TransportConfig
 from pd_connector.vllm.config import PDConnectorConfig
 from router.config import RouterConfig, WorkerConfig
 from scheduler_plugins.config import SchedulerSettings
@@ -220,6 +223,63 @@ def test_every_sglang_variable_is_documented_with_its_default(configuration: str
         assert SGLangBackendConfig.from_env(env) == SGLangBackendConfig(), (
             f"{name}: documented default {text!r}"
         )
+
+
+@pytest.mark.parametrize(
+    ("cls", "shared"),
+    [
+        (PDConnectorConfig, ConnectorSettings),
+        (SGLangBackendConfig, ConnectorSettings),
+        (TransferConfig, TransferSettings),
+    ],
+)
+def test_the_shared_settings_have_one_definition(cls: type, shared: type) -> None:
+    """An adapter's or the engine's settings are the shared ones plus its own: none redefines a shared default."""
+    assert issubclass(cls, shared)
+    code, one = _code_defaults(cls), _code_defaults(shared)
+    assert {name: code[name] for name in one} == one
+
+
+def test_each_table_documents_the_shared_settings_with_the_one_default(configuration: str) -> None:
+    """vLLM's keys and the engine's settings by name, SGLang's as ``PD_SGLANG_*`` variables (read back through
+    ``from_env``): every shared setting is there, documented with the default of ``pd_connector.settings``."""
+    errors: list[str] = []
+    for heading, shared in (
+        ("## vLLM PDConnector", ConnectorSettings),
+        ("## pd_connector control plane", TransferSettings),
+    ):
+        documented = _defaults_table(_section(configuration, heading))
+        one = _code_defaults(shared)
+        errors += [
+            f"{heading}: {e}" for e in _disagreements({n: documented[n] for n in one if n in documented}, one)
+        ]
+    variables = _defaults_table(_section(configuration, "## SGLang backend"))
+    for name, default in _code_defaults(ConnectorSettings).items():
+        text = variables.get(ENV[name])
+        if text is None:
+            errors.append(f"## SGLang backend: {ENV[name]} not documented")
+            continue
+        env = {} if text == "unset" else {ENV[name]: "" if text == "empty" else text}
+        if getattr(SGLangBackendConfig.from_env(env), name) != default:
+            errors.append(
+                f"## SGLang backend: {ENV[name]} documented as {text!r}, the default is {default!r}"
+            )
+    assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("heading", "setting"),
+    [("## vLLM PDConnector", "transport"), ("## SGLang backend", ENV["transport"]), ("## transport", "kind")],
+)
+def test_every_transport_setting_names_every_transport(
+    configuration: str, heading: str, setting: str
+) -> None:
+    rows = [
+        line for line in _section(configuration, heading).splitlines() if line.startswith(f"| `{setting}` |")
+    ]
+    assert len(rows) == 1, f"{heading}: no single row for {setting}"
+    named = {kind for kind in TRANSPORT_KINDS if f"`{kind}`" in rows[0] or f'`"{kind}"`' in rows[0]}
+    assert named == set(TRANSPORT_KINDS)
 
 
 def test_the_checks_see_a_wrong_missing_or_extra_setting() -> None:

@@ -118,27 +118,16 @@ class PdKVManager(CommonKVManager):
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start_engine(self, *, listen: bool) -> TransferEngine:
-        from pd_connector.transport.factory import TransportConfig, create_transport
-        from pd_connector.transport.tcp import TcpConfig
+        from pd_connector.transport.factory import create_transport
 
-        cfg = self.pd_config
-        config = TransferConfig(
+        config = TransferConfig.from_settings(
+            self.pd_config,
             engine_id=f"sglang-{self.disaggregation_mode.value}-{uuid.uuid4().hex[:8]}",
             listen_host=self.local_ip,
             listen_port=0 if listen else None,
-            connect_timeout_s=cfg.connect_timeout_s,
             load_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
-            lease_s=cfg.lease_s,
-            abort_grace_s=cfg.abort_grace_s,
-            heartbeat_interval_s=cfg.heartbeat_interval_s,
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            secret=cfg.secret,
-            allowed_prefill_addrs=cfg.allowed_prefill_addrs,
-            allow_insecure=cfg.allow_insecure,
         )
-        transport = create_transport(
-            TransportConfig(kind=cfg.transport, tcp=TcpConfig(host=self.local_ip))  # type: ignore[arg-type]
-        )
+        transport = create_transport(self.pd_config.data_plane(self.local_ip))
         engine = TransferEngine(config, self.pd_layout, self._pd_buffers, transport)
         logger.info(
             "pd transfer backend (%s): engine %s, layout %s, side channel %s",

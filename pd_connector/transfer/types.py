@@ -1,53 +1,60 @@
-"""Plain data the transfer engine hands to adapters: configuration, states, results, counters."""
+"""Plain data between the transfer engine and the adapters that drive it: its settings (``TransferConfig``,
+built by an adapter at start-up), per-request states and results (reported by ``TransferEngine.poll``), and
+counters (read by the adapters' metrics)."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from pd_connector.settings import ConnectorSettings, TransferSettings
 
 
-@dataclass(frozen=True)
-class TransferConfig:
-    """Control-plane and lifecycle settings (documented in docs/configuration.md, all times in seconds).
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig(TransferSettings):
+    """The transfer engine's settings (documented in docs/configuration.md, all times in seconds): the shared
+    ``TransferSettings`` (timeouts, lease, heartbeats, peer policy) plus the engine's own below.
 
     ``listen_host``/``listen_port``: where a prefill side (P) accepts decode sides (port 0 = ephemeral,
     read the bound address from ``TransferEngine.address``; ``listen_port=None``: no listener, a pure D).
     ``advertise_host``: the host peers should dial (default: ``listen_host``, or this host's address on
     its default route when that is a wildcard such as ``0.0.0.0``).
     ``secret``: shared HMAC-SHA256 key; None disables authentication (trusted networks only).
-    ``allowed_prefill_addrs`` / ``allow_insecure``: the peer policy (``pd_connector.trust``).
     """
 
     engine_id: str
     listen_host: str = "127.0.0.1"
     listen_port: int | None = None
     advertise_host: str | None = None
-    connect_timeout_s: float = 5.0
     load_timeout_s: float = 60.0
-    lease_s: float = 60.0
-    abort_grace_s: float = 5.0
     write_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 10.0
     secret: bytes | None = None
-    allowed_prefill_addrs: tuple[str, ...] = ()
-    allow_insecure: bool = False
     max_frame_bytes: int = 16 * 1024 * 1024
 
-    def __post_init__(self) -> None:
-        for name in (
-            "connect_timeout_s",
-            "load_timeout_s",
-            "lease_s",
-            "abort_grace_s",
-            "write_timeout_s",
-            "heartbeat_interval_s",
-            "heartbeat_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"TransferConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+    @classmethod
+    def from_settings(
+        cls,
+        settings: ConnectorSettings,
+        *,
+        engine_id: str,
+        listen_host: str,
+        listen_port: int | None,
+        load_timeout_s: float,
+        advertise_host: str | None = None,
+    ) -> TransferConfig:
+        """An adapter's engine settings: its ``TransferSettings`` and ``secret`` as given, where this engine
+        listens, and the load timeout (each engine has its own; ``write_timeout_s`` and ``max_frame_bytes``
+        keep the defaults)."""
+        shared = {f.name: getattr(settings, f.name) for f in fields(TransferSettings)}
+        return cls(
+            **shared,
+            engine_id=engine_id,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            advertise_host=advertise_host,
+            load_timeout_s=load_timeout_s,
+            secret=settings.secret.encode() or None,
+        )
 
 
 class TransferState(enum.Enum):

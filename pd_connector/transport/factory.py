@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from .base import Transport
 from .cma import CmaConfig, CmaTransport
@@ -21,7 +21,9 @@ from .ucx import UcxConfig
 
 log = logging.getLogger(__name__)
 
+#: The transports a user can configure: the one list of their names.
 TransportKind = Literal["ucx", "tcp", "cma", "auto"]
+TRANSPORT_KINDS: tuple[TransportKind, ...] = get_args(TransportKind)
 ConcreteKind = Literal["ucx", "tcp", "cma"]
 
 
@@ -54,7 +56,8 @@ def choose_kind(kind: str) -> tuple[ConcreteKind, str]:
         if ucx_available():
             return "ucx", "transport = auto and ucxx is importable"
         return "tcp", "transport = auto and ucxx is not installed"
-    raise ValueError(f"unknown transport {kind!r}: expected 'ucx', 'tcp', 'cma' or 'auto'")
+    *others, last = (repr(k) for k in TRANSPORT_KINDS)
+    raise ValueError(f"unknown transport {kind!r}: expected {', '.join(others)} or {last}")
 
 
 def create_transport(config: TransportConfig | None = None) -> Transport:
