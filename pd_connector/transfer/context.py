@@ -36,6 +36,7 @@ class EngineContext:
         self.lock = threading.Lock()
         self._counters = TransferCounters()
         self._results: dict[tuple[str, str], TransferResult] = {}
+        self._reported = threading.Event()  # set while ``_results`` holds something
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -65,6 +66,7 @@ class EngineContext:
         """Queue an ended transfer for ``poll`` (I/O thread; the caller already dropped its state)."""
         with self.lock:
             self._results[(result.role, result.transfer_id)] = result
+            self._reported.set()
             if result.state is TransferState.FAILED:
                 self._counters.failures += 1
             elif result.state is TransferState.ABORTED:
@@ -83,7 +85,12 @@ class EngineContext:
         with self.lock:
             results = list(self._results.values())
             self._results.clear()
+            self._reported.clear()
         return results
+
+    def wait_reported(self, timeout_s: float) -> bool:
+        """Block the calling (adapter) thread until a result is waiting for ``drain``, at most ``timeout_s``."""
+        return self._reported.wait(timeout_s)
 
     def unreported(self) -> int:
         with self.lock:

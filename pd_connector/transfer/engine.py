@@ -189,6 +189,14 @@ class TransferEngine:
             self._recv_ids.difference_update(r.transfer_id for r in results if r.role == "recv")
         return results
 
+    def wait(self, timeout_s: float) -> bool:
+        """Block until ``poll`` has something to return (True) or ``timeout_s`` passed (False).
+
+        For an adapter whose engine has nothing to compute but transfers in flight: it can wait here instead of
+        sleeping a fixed time, so a transfer that ends is reported to the engine at once.
+        """
+        return self._ctx.wait_reported(timeout_s)
+
     def state(self, transfer_id: str) -> TransferState | None:
         """Current state of a transfer (terminal until reported by ``poll``), or None when unknown."""
         return (

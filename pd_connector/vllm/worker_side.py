@@ -30,7 +30,8 @@ from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
-#: Pause of an idle engine step while transfers are pending (bounds the spin; adds at most this latency).
+#: Longest pause of an idle engine step while transfers are pending (bounds the spin); the step goes on at
+#: once when a transfer ends, so a finished load waits for no timer.
 IDLE_STEP_PAUSE_S = 0.005
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
@@ -253,10 +254,11 @@ class WorkerSide:
 
         vLLM keeps stepping while transfers are pending, even with nothing to compute (D waiting for KV, P
         holding blocks for D's ack): a busy loop of EngineCore and worker that would take CPU from the
-        prefill on the other core. On such idle steps the worker pauses ``IDLE_STEP_PAUSE_S`` first.
+        prefill on the other core. On such idle steps the worker waits for a transfer to end, at most
+        ``IDLE_STEP_PAUSE_S``.
         """
-        if meta is not None and meta.idle_step and (self._recv_req or self._send_req):
-            time.sleep(IDLE_STEP_PAUSE_S)
+        if meta is not None and meta.idle_step and (self._recv_req or self._send_req) and self._engine:
+            self._engine.wait(IDLE_STEP_PAUSE_S)
         recving: set[str] = set(self._recv_failed_at_start)
         failed: set[str] = set(self._recv_failed_at_start)
         self._recv_failed_at_start.clear()

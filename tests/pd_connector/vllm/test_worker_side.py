@@ -6,6 +6,7 @@ The forward pass is played by the test: it writes KV into P's tensors and calls 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -272,3 +273,22 @@ def test_each_side_traces_its_stages_in_order_under_its_request_id(
         "first_layer->done",
         "done->reported",
     }
+
+
+def test_an_idle_step_ends_as_soon_as_a_load_finishes(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D's engine steps while it waits for KV with nothing to compute: such a step waits for the load to end
+    (bounded), not a fixed timer, so the finished load reaches vLLM without a pause after P's Done."""
+    monkeypatch.setattr("pd_connector.vllm.worker_side.IDLE_STEP_PAUSE_S", 30.0)
+    pair = make_pair()
+    idle = PDConnectorMetadata(idle_step=True)
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [8, 9, 10], start_block=0, num_tokens=70)])
+    pusher = threading.Timer(0.3, pair.p_step, args=([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)],))
+    pusher.start()
+    start = time.monotonic()
+    _, recving, failed = pair.d.transfer_results(idle)
+    waited = time.monotonic() - start
+    pusher.join()
+    assert recving == {"d1"} and failed == set()
+    assert 0.2 < waited < 10, f"the idle step took {waited:.2f} s"
