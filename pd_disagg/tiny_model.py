@@ -5,7 +5,8 @@ model built here: weights drawn from a fixed seed (std ~0.08, so greedy decoding
 bf16 safetensors, and a tokenizer trained on the Python standard library's sources (always on disk), with
 bos/eos/pad tokens and a small chat template. The same arguments always give the same files.
 
-Called by ``make model`` / ``make demo`` (CLI ``pd-tiny-model``) and by benchmarks that need a larger model.
+Called by ``make model`` (CLI ``pd-tiny-model``) and by benchmarks that need a larger model. The CLI's
+``--preset smollm2`` instead converts the real SmolLM2-135M-Instruct (``pd_disagg.smollm2``, ``make smollm2``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pd_disagg import smollm2
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -160,9 +163,27 @@ def build(out: Path, spec: ModelSpec) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--out", type=Path, required=True, help="directory to write the model into")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"directory to write the model into (required, except for smollm2: default {smollm2.DEFAULT_DIR})",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=[*sorted(PRESETS), "smollm2"],
+        default="tiny",
+        help="a random model, or smollm2: the real SmolLM2-135M-Instruct converted from PyPI (pd_disagg.smollm2)",
+    )
     args = parser.parse_args(argv)
+    if args.preset == "smollm2":
+        try:
+            path = smollm2.convert(args.out or smollm2.DEFAULT_DIR)
+        except smollm2.SourceMissing as exc:
+            parser.exit(1, f"pd-tiny-model: {exc}\n")
+        print(f"model ready at {path} (SmolLM2-135M-Instruct, bf16)")
+        return 0
+    if args.out is None:
+        parser.error(f"--out is required for --preset {args.preset}")
     spec = PRESETS[args.preset]
     path = build(args.out, spec)
     print(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pd_disagg.tiny_model import ModelSpec, build
+import pytest
+
+from pd_disagg.tiny_model import ModelSpec, build, main
 
 SMALL = ModelSpec(
     num_layers=1,
@@ -42,3 +44,11 @@ def test_tokenizer_round_trips_and_has_chat_template(tmp_path: Path) -> None:
 
 def test_kv_bytes_per_token() -> None:
     assert ModelSpec().kv_bytes_per_token() == 2 * 4 * 2 * 64 * 2
+
+
+def test_cli_needs_out_except_for_smollm2(capsys) -> None:
+    """Random presets have no default directory (only the converted SmolLM2 has one)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--preset", "tiny"])
+    assert exit_.value.code == 2
+    assert "--out is required for --preset tiny" in capsys.readouterr().err
