@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pd_disagg import smollm2
 from pd_disagg.servers import ManagedServer, ServerStartError
 from pd_disagg.tiny_model import PRESETS, build
 
@@ -35,6 +36,13 @@ def tiny_model() -> Path:
     if env:
         return Path(env)
     return build(ROOT / ".cache" / "models" / "tiny-llama", PRESETS["tiny"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct converted into .cache (``make smollm2`` does it first; else it is done here).
+    Errors, never skips, when the wheel or the conversion's packages are missing."""
+    return smollm2.chat_model(ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -99,11 +99,19 @@ class _Counts:
 
 
 class Transfers:
-    """Counters of P and D servers before some requests; ``check`` proves those requests were transferred."""
+    """Counters of P and D servers before some requests; ``check`` proves those requests were transferred.
 
-    def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str]) -> None:
+    ``block_bytes``: bytes of one KV block of the served model and dtype (default: the tiny model in float32)."""
+
+    def __init__(
+        self,
+        prefill_urls: str | list[str],
+        decode_urls: str | list[str],
+        block_bytes: int = KV_BLOCK_BYTES,
+    ) -> None:
         self.prefill = [prefill_urls] if isinstance(prefill_urls, str) else list(prefill_urls)
         self.decode = [decode_urls] if isinstance(decode_urls, str) else list(decode_urls)
+        self.block_bytes = block_bytes
         self.before = _Counts.read(self.prefill, self.decode)
 
     def now(self) -> _Counts:
@@ -138,9 +146,9 @@ class Transfers:
         assert now.failures == before.failures, "no transfer failed (a failed load is recomputed)"
         assert now.refused == before.refused, "no request's transfer parameters were refused"
         if blocks is not None:
-            assert moved == blocks * KV_BLOCK_BYTES, f"{moved} bytes moved, {blocks} blocks expected"
+            assert moved == blocks * self.block_bytes, f"{moved} bytes moved, {blocks} blocks expected"
         else:
-            assert moved >= requests * KV_BLOCK_BYTES, f"{moved} bytes for {requests} requests"
+            assert moved >= requests * self.block_bytes, f"{moved} bytes for {requests} requests"
         # vLLM samples a fully loaded prompt by recomputing its last token: one token per request, no more.
         computed = now.computed - before.computed
         assert computed <= requests + local_tokens, (
