@@ -14,13 +14,12 @@ on every layer (``Done`` to each). Any D rank failing fails the transfer for all
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import time
 from concurrent.futures import Future
 
 from pd_connector import control
-from pd_connector.layout import BlockMapping, KVLayout
+from pd_connector.layout import BlockMapping
 from pd_connector.protocol import (
     Abort,
     Ack,
@@ -32,83 +31,8 @@ from pd_connector.protocol import (
 from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.coverage import add_span, first_hole
-from pd_connector.transfer.timeline import Timeline
+from pd_connector.transfer.send_state import Binding, Orphan, Peer, Send, Tombstone, validate_destinations
 from pd_connector.transfer.types import TransferResult, TransferState
-
-
-@dataclasses.dataclass(eq=False)
-class _Peer:
-    """A decode side connected to our listener: its transport endpoint and block mapping."""
-
-    conn: control.Connection
-    peer_id: str
-    engine_id: str
-    mapping: BlockMapping
-
-
-@dataclasses.dataclass(eq=False)
-class _Binding:
-    """One D rank's destinations for a transfer and the progress of the writes into them."""
-
-    peer: _Peer
-    dests: Destinations
-    deadline: float  # loop time after which D no longer waits for these blocks
-    inflight: int = 0
-    #: Token spans whose writes landed, per layer (sorted, merged): Done only when none has a hole.
-    covered: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    done: bool = False
-    decode_aborted: bool = False  # this D asked to abort: answer Ack (not Abort) once drained
-    # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
-    # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
-    runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(eq=False)
-class _Send:
-    """Sender state of one transfer."""
-
-    transfer_id: str
-    src_blocks: list[int]
-    started: float
-    prompt_hash: bytes = b""
-    state: TransferState = TransferState.WAITING
-    bindings: list[_Binding] = dataclasses.field(default_factory=list)
-    fanout: int = 0  # D ranks to serve, from the first destinations (0: none came yet)
-    #: Every push so far (layer, first block, end block): replayed to destinations that come later.
-    pushes: list[tuple[int, int, int | None]] = dataclasses.field(default_factory=list)
-    finished_at: float | None = None
-    first_token: int | None = None
-    bytes: int = 0
-    exposed_s: float = 0.0
-    ending: tuple[TransferState, str, bool] | None = None  # (final state, reason, lease expired)
-    decode_aborted: bool = False  # a D gave up before binding: it was answered already
-    timer: asyncio.TimerHandle | None = None
-    timeline: Timeline = dataclasses.field(default_factory=Timeline)
-
-    @property
-    def inflight(self) -> int:
-        return sum(b.inflight for b in self.bindings)
-
-    def binding(self, peer: _Peer) -> _Binding | None:
-        return next((b for b in self.bindings if b.peer is peer), None)
-
-
-@dataclasses.dataclass(eq=False)
-class _Tombstone:
-    """A transfer that ended before every D rank's destinations came: the Abort each late one gets."""
-
-    abort: Abort
-    timer: asyncio.TimerHandle
-    left: int | None  # D ranks still to come (None: no destinations came, so the fan-out is unknown)
-
-
-@dataclasses.dataclass(eq=False)
-class _Orphan:
-    """Destinations that arrived before the adapter offered the transfer."""
-
-    peer: _Peer
-    dests: Destinations
-    timer: asyncio.TimerHandle
 
 
 class Sender:
@@ -116,11 +40,11 @@ class Sender:
 
     def __init__(self, ctx: EngineContext) -> None:
         self.ctx = ctx
-        self.sends: dict[str, _Send] = {}
-        self.orphans: dict[str, list[_Orphan]] = {}
-        self.peers: dict[control.Connection, _Peer] = {}
+        self.sends: dict[str, Send] = {}
+        self.orphans: dict[str, list[Orphan]] = {}
+        self.peers: dict[control.Connection, Peer] = {}
         # Transfers that ended before (all) D ranks' destinations came: answered with Abort when they do.
-        self.tombstones: dict[str, _Tombstone] = {}
+        self.tombstones: dict[str, Tombstone] = {}
 
     def sizes(self) -> dict[str, int]:
         return {
@@ -152,7 +76,7 @@ class Sender:
         if accepted is None:
             return
         mapping = BlockMapping(self.ctx.layout, accepted.layout)
-        self.peers[conn] = _Peer(conn, accepted.peer_id, accepted.engine_id, mapping)
+        self.peers[conn] = Peer(conn, accepted.peer_id, accepted.engine_id, mapping)
         conn.on_message = self._on_message
         conn.on_close = self._on_closed
         await conn.run()
@@ -180,9 +104,9 @@ class Sender:
             conn.close(f"unexpected {type(msg).__name__}")
 
     # ---- messages from D -------------------------------------------------------------------------------------
-    def _on_destinations(self, peer: _Peer, dests: Destinations) -> None:
+    def _on_destinations(self, peer: Peer, dests: Destinations) -> None:
         tid = dests.transfer_id
-        problem = _validate(self.ctx.layout, peer, dests)
+        problem = validate_destinations(self.ctx.layout, peer, dests)
         st = self.sends.get(tid)
         again = any(o.peer is peer for o in self.orphans.get(tid, ())) or (
             st is not None and st.binding(peer) is not None
@@ -203,11 +127,11 @@ class Sender:
             return
         if st is None:  # D was faster than P's scheduler: keep the destinations until offer() (or lease end)
             timer = self.ctx.loop.call_later(self.ctx.config.lease_s, self._orphan_expired, tid, peer)
-            self.orphans.setdefault(tid, []).append(_Orphan(peer, dests, timer))
+            self.orphans.setdefault(tid, []).append(Orphan(peer, dests, timer))
             return
         self._bind(st, peer, dests)
 
-    def _orphan_expired(self, tid: str, peer: _Peer) -> None:
+    def _orphan_expired(self, tid: str, peer: Peer) -> None:
         orphans = self.orphans.get(tid, [])
         orphan = next((o for o in orphans if o.peer is peer), None)
         if orphan is not None:
@@ -216,7 +140,7 @@ class Sender:
             reason = f"prefill never offered this transfer within {self.ctx.config.lease_s} s"
             orphan.peer.conn.send(Abort(tid, reason, failure=True))
 
-    def _drop_orphans(self, tid: str, peer: _Peer | None = None) -> list[_Orphan]:
+    def _drop_orphans(self, tid: str, peer: Peer | None = None) -> list[Orphan]:
         """Forget ``tid``'s early destinations (only ``peer``'s, if given); returns the dropped ones."""
         orphans = self.orphans.get(tid, [])
         dropped = [o for o in orphans if peer is None or o.peer is peer]
@@ -229,7 +153,7 @@ class Sender:
             self.orphans.pop(tid, None)
         return dropped
 
-    def _on_abort(self, peer: _Peer, msg: Abort) -> None:
+    def _on_abort(self, peer: Peer, msg: Abort) -> None:
         tid = msg.transfer_id
         self._drop_orphans(tid, peer)
         st = self.sends.get(tid)
@@ -255,7 +179,7 @@ class Sender:
     def offer(self, tid: str, blocks: list[int], at: float, prompt_hash: bytes) -> None:
         st = self.sends.get(tid)
         if st is None:
-            st = self.sends[tid] = _Send(tid, blocks, at, prompt_hash)
+            st = self.sends[tid] = Send(tid, blocks, at, prompt_hash)
             st.timeline.mark("offered", at)
             self._arm(st)
             for orphan in self._drop_orphans(tid):
@@ -299,7 +223,7 @@ class Sender:
             orphan.peer.conn.send(Abort(tid, reason))
 
     # ---- the per-transfer state machine ----------------------------------------------------------------------
-    def _arm(self, st: _Send) -> None:
+    def _arm(self, st: Send) -> None:
         """(Re)start the lease: idle ``lease_s``, never beyond a decode side's own deadline."""
         if st.timer is not None:
             st.timer.cancel()
@@ -307,14 +231,14 @@ class Sender:
         deadline = min([loop.time() + self.ctx.config.lease_s, *(b.deadline for b in st.bindings)])
         st.timer = loop.call_at(deadline, self._lease_expired, st)
 
-    def _lease_expired(self, st: _Send) -> None:
+    def _lease_expired(self, st: Send) -> None:
         st.timer = None
         if self.sends.get(st.transfer_id) is st and st.ending is None:
             self.ctx.count(expired_leases=1)
             self._end(st, TransferState.FAILED, "lease expired", lease_expired=True)
 
-    def _bind(self, st: _Send, peer: _Peer, dests: Destinations) -> None:
-        binding = _Binding(peer, dests, self.ctx.loop.time() + dests.lease_s)
+    def _bind(self, st: Send, peer: Peer, dests: Destinations) -> None:
+        binding = Binding(peer, dests, self.ctx.loop.time() + dests.lease_s)
         if st.fanout and dests.fanout != st.fanout:
             # Not bound: it gets its own Abort; the others learn it from the failure.
             peer.conn.send(Abort(st.transfer_id, "decode ranks disagree on the fan-out", failure=True))
@@ -339,7 +263,7 @@ class Sender:
             self._write(st, binding, layer, start, end)
         self._maybe_done(st)
 
-    def _write(self, st: _Send, binding: _Binding, layer: int, start: int, end: int | None) -> None:
+    def _write(self, st: Send, binding: Binding, layer: int, start: int, end: int | None) -> None:
         dests, ctx = binding.dests, self.ctx
         ps = ctx.layout.block_tokens
         stop = len(st.src_blocks) if end is None else end
@@ -365,7 +289,7 @@ class Sender:
         done = functools.partial(self._write_done, st, binding, layer, (first, last), started, timer)
         future.add_done_callback(functools.partial(ctx.io.call_soon, done))
 
-    def _write_timed_out(self, binding: _Binding, future: Future[int]) -> None:
+    def _write_timed_out(self, binding: Binding, future: Future[int]) -> None:
         if not future.done():
             reason = f"write did not complete within {self.ctx.config.write_timeout_s} s"
             logger.error("%s; dropping decode %s", reason, binding.peer.engine_id)
@@ -373,8 +297,8 @@ class Sender:
 
     def _write_done(
         self,
-        st: _Send,
-        binding: _Binding,
+        st: Send,
+        binding: Binding,
         layer: int,
         span: tuple[int, int],
         started: float,
@@ -399,7 +323,7 @@ class Sender:
         self._arm(st)
         self._maybe_done(st)
 
-    def _maybe_done(self, st: _Send) -> None:
+    def _maybe_done(self, st: Send) -> None:
         """After the last push: Done to each D rank whose writes all landed; DONE once every rank has it."""
         if st.finished_at is None or st.ending is not None:
             return
@@ -421,14 +345,14 @@ class Sender:
             self.ctx.count(exposed_seconds=st.exposed_s)
             self._end(st, TransferState.DONE, "")
 
-    def _end(self, st: _Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
+    def _end(self, st: Send, state: TransferState, reason: str, lease_expired: bool = False) -> None:
         """Stop scheduling writes; report once the in-flight ones drained (the source blocks are free then)."""
         if st.ending is not None:
             return
         st.ending = (state, reason, lease_expired)
         self._maybe_ended(st)
 
-    def _maybe_ended(self, st: _Send) -> None:
+    def _maybe_ended(self, st: Send) -> None:
         if st.ending is None or st.inflight or self.sends.get(st.transfer_id) is not st:
             return
         state, reason, lease_expired = st.ending
@@ -448,7 +372,7 @@ class Sender:
                 self.ctx.config.lease_s, self.tombstones.pop, st.transfer_id, None
             )
             left = st.fanout - len(st.bindings) if st.fanout else None
-            self.tombstones[st.transfer_id] = _Tombstone(Abort(st.transfer_id, reason, failure), timer, left)
+            self.tombstones[st.transfer_id] = Tombstone(Abort(st.transfer_id, reason, failure), timer, left)
         if state is TransferState.DONE:
             self.ctx.count(transfers_sent=1)
         num_tokens = st.bindings[0].dests.num_tokens if state is TransferState.DONE else 0
@@ -467,32 +391,3 @@ class Sender:
                 stages=st.timeline.stamps,
             )
         )
-
-
-def _validate(prefill: KVLayout, peer: _Peer, dests: Destinations) -> str | None:
-    """What is wrong with D's destinations for D's own layout and this P rank, or None."""
-    d = peer.mapping.decode
-    if dests.fanout < 1:
-        return f"fanout {dests.fanout} must be at least 1"
-    if dests.heads is None and prefill.heads != d.heads:
-        return f"decode holds KV heads {d.heads}, prefill {prefill.heads}: the destinations need a head slice"
-    if dests.heads is not None:
-        sl = dests.heads
-        if (
-            sl.prefill_rank != prefill.tp_rank
-            or sl.num_heads <= 0
-            or not 0 <= sl.src_head <= prefill.num_kv_heads - sl.num_heads
-            or not 0 <= sl.dst_head <= d.num_kv_heads - sl.num_heads
-        ):
-            return f"head slice {sl} does not fit prefill rank {prefill.tp_rank} and the decode's heads"
-    tables = dests.layer_block_ids if dests.layer_block_ids is not None else [dests.block_ids]
-    if dests.layer_block_ids is not None and len(tables) != d.num_layers:
-        return f"{len(tables)} per-layer tables for {d.num_layers} layers"
-    if dests.num_tokens <= 0 or dests.lease_s <= 0:
-        return "num_tokens and lease_s must be positive"
-    if not 0 <= dests.start_token < dests.num_tokens or dests.start_token % d.granule_tokens:
-        return f"start_token {dests.start_token} is not a granule boundary below num_tokens"
-    for table in tables:
-        if len(table) * d.block_tokens < dests.num_tokens:
-            return f"{len(table)} blocks cannot hold {dests.num_tokens} tokens"
-    return None
