@@ -1,11 +1,12 @@
 """The P/D path's fixed cost: TTFT and ITL through pd-router (P->D) against colocated, per prompt length, with
 where the first token's time went.
 
-Per model (``--models``: the tiny test model and the bench model), one P (core 0), one D (core 1) and pd-router
+Per model (``--models``: the real SmolLM2-135M-Instruct, on prompts of real text from ``benchmarks.prompts``;
+the tiny test model and the bench model, on random token ids), one P (core 0), one D (core 1) and pd-router
 (flow pd-push, every prompt P->D) run with the first-token trace on (P, D and the router append to one trace
 file, docs/architecture.md ``## First-token trace``). For each prompt length (``--lengths``) and repetition,
 in shuffled order and each with a fresh random token-id prompt (no prefix-cache hits), three streamed
-requests are timed on the client side:
+requests are timed on the client side (greedy, ``--max-tokens`` each, float32 so P's and D's tokens agree):
 - ``pd``: through pd-router (P->D);
 - ``colocated``: straight to D, no transfer (D prefills and decodes);
 - ``prefill``: straight to P with ``max_tokens`` 1: P's prefill alone.
@@ -31,9 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.prompts import RealPrompts
 from pd_connector.trace import TraceRecord, read_trace
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
+from pd_disagg.smollm2 import chat_model
 from pd_disagg.tiny_model import bench_model
 
 LOG_DIR = Path("logs/benchmarks/first_token")
@@ -73,9 +76,8 @@ def stream(url: str, body: dict[str, Any]) -> tuple[list[float], str]:
     return arrivals, resp.getheader("X-PD-Route") or ""
 
 
-def body(tokens: int, max_tokens: int, rng: random.Random, vocab: int) -> dict[str, Any]:
-    """A fresh random prompt of ``tokens`` token ids (no prefix-cache hit), greedy, exactly ``max_tokens``."""
-    prompt = [rng.randrange(10, vocab) for _ in range(tokens)]
+def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed greedy completion of exactly ``max_tokens`` tokens."""
     return {
         "model": SERVED,
         "prompt": prompt,
@@ -89,7 +91,7 @@ def body(tokens: int, max_tokens: int, rng: random.Random, vocab: int) -> dict[s
 class Cluster:
     """P, D and pd-router for one model, with the trace on; stopped by ``close`` (also on failure)."""
 
-    def __init__(self, name: str, model: Path, transport: str, max_len: int) -> None:
+    def __init__(self, name: str, model: Path, transport: str, max_len: int, real_text: bool) -> None:
         self.trace = (LOG_DIR / f"{name}-trace.jsonl").resolve()
         self.trace.parent.mkdir(parents=True, exist_ok=True)
         self.trace.unlink(missing_ok=True)
@@ -114,6 +116,7 @@ class Cluster:
                 log_dir=LOG_DIR,
                 name=f"{name}-{role}",
                 cpu_core=core,
+                dtype="float32",
                 max_model_len=max_len,
                 kv_transfer_config=kv[role],
                 extra_args=["--served-model-name", SERVED],
@@ -123,6 +126,13 @@ class Cluster:
         self.servers: list[ManagedServer] = [self.p, self.d]
         self.name, self.model, self.side, self.max_len = name, model, side, max_len
         self.vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+        self.real = RealPrompts(model) if real_text else None
+
+    def prompt(self, tokens: int, rng: random.Random) -> list[int]:
+        """A fresh prompt of ``tokens`` token ids (no prefix-cache hit): real text, or random ids."""
+        if self.real is not None:
+            return self.real.document(tokens, rng)
+        return [rng.randrange(10, self.vocab) for _ in range(tokens)]
 
     def start(self) -> None:
         for server in self.servers:
@@ -176,10 +186,9 @@ def measure(
     """Every length ``reps`` times (shuffled), pd / colocated / prefill each with a fresh prompt."""
     order = [(length, rep) for length in lengths for rep in range(reps)]
     rng.shuffle(order)
-    vocab = cluster.vocab
     for length in lengths:  # warm-up: first requests compile and allocate
-        stream(cluster.router, body(length, 2, rng, vocab))
-        stream(base_url(cluster.d), body(length, 2, rng, vocab))
+        stream(cluster.router, body(cluster.prompt(length, rng), 2))
+        stream(base_url(cluster.d), body(cluster.prompt(length, rng), 2))
     cluster.trace.write_bytes(b"")  # only measured requests from here on
     ttft: dict[tuple[int, str], list[float]] = {}
     gaps: dict[tuple[int, str], list[float]] = {}
@@ -187,13 +196,13 @@ def measure(
     pd_ids: dict[int, set[str]] = {length: set() for length in lengths}
     for i, (length, _) in enumerate(order):
         seen = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"}
-        pd, route = stream(cluster.router, body(length, max_tokens, rng, vocab))
+        pd, route = stream(cluster.router, body(cluster.prompt(length, rng), max_tokens))
         if route != "disagg":
             raise RuntimeError(f"pd-router sent a {length}-token prompt {route!r}, not P->D")
         new = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"} - seen
         pd_ids[length] |= new
-        colocated, _ = stream(base_url(cluster.d), body(length, max_tokens, rng, vocab))
-        prefill, _ = stream(base_url(cluster.p), body(length, 1, rng, vocab))
+        colocated, _ = stream(base_url(cluster.d), body(cluster.prompt(length, rng), max_tokens))
+        prefill, _ = stream(base_url(cluster.p), body(cluster.prompt(length, rng), 1))
         for kind, arrivals in (("pd", pd), ("colocated", colocated), ("prefill", prefill)):
             ttft.setdefault((length, kind), []).append(arrivals[0])
             gaps.setdefault((length, kind), []).extend(b - a for a, b in itertools.pairwise(arrivals))
@@ -246,7 +255,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="tiny,bench", help="comma-separated: tiny, bench")
+    parser.add_argument(
+        "--models", default="smollm2,tiny,bench", help="comma-separated: smollm2, tiny, bench"
+    )
     parser.add_argument("--tiny-model", type=Path, default=Path(".cache/models/tiny-llama"))
     parser.add_argument("--lengths", default="64,400,2000", help="prompt lengths in tokens, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
@@ -258,8 +269,9 @@ def main() -> None:
     rng = random.Random(0)
     results: dict[str, dict[str, Any]] = {}
     for name in args.models.split(","):
-        model = {"tiny": args.tiny_model, "bench": bench_model()}[name]
-        cluster = Cluster(name, model.resolve(), args.transport, max(lengths) + args.max_tokens + 8)
+        model = {"smollm2": chat_model, "tiny": lambda: args.tiny_model, "bench": bench_model}[name]()
+        max_len = max(lengths) + args.max_tokens + 8
+        cluster = Cluster(name, model.resolve(), args.transport, max_len, real_text=name == "smollm2")
         try:
             log(f"{name}: starting P, D and pd-router")
             cluster.start()
