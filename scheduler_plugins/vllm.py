@@ -15,23 +15,26 @@ copy vLLM's scheduling loop; it sets the loop's inputs before delegating to it:
 
 The chosen budget is logged (logger ``vllm.scheduler_plugins.vllm``) at most every ``log_interval_s`` and
 whenever the effective ITL target changes; the integration tests read it from the server log.
+
+Every read or write of the scheduler's private fields (queues, budget, config copy) and of a request's
+internal counters goes through ``pd_connector.vllm.compat``, which checks them all when the scheduler starts
+(``require_scheduler``) and names the vLLM version they were proven on.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
+from pd_connector.vllm import compat
 from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
 from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
@@ -43,46 +46,29 @@ ITL_TARGET_ARG = "itl_target_ms"
 TTFT_TARGET_ARG = "ttft_target_ms"
 
 
-def _pending_tokens(request: Request) -> int:
-    return request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
-
-
-def _is_decode(request: Request) -> bool:
-    """A running request that only needs its next token (plus speculative ones): not a prefill chunk."""
-    return request.num_computed_tokens >= request.num_tokens - 1
-
-
-def _is_remote_kv(request: Request) -> bool:
-    """A request whose prompt KV comes from a prefill node (loading, or asked to load on admission)."""
-    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-        return True
-    params = request.kv_transfer_params
-    return bool(params and params.get("do_remote_prefill"))
-
-
 class SLOScheduler(Scheduler):
     """vLLM's scheduler with an SLO-driven token budget per step (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
+        compat.require_scheduler(self)
         additional = vllm_config.additional_config
         self.slo: SchedulerSettings = load_settings(
             os.environ, additional if isinstance(additional, dict) else None
         )
-        if self.slo.mode is Mode.PREFILL and self.policy is not SchedulingPolicy.FCFS:
+        if self.slo.mode is Mode.PREFILL and not compat.uses_fcfs(self):
             raise ValueError(
                 "scheduler_plugins prefill mode orders the queue itself: use --scheduling-policy fcfs"
             )
-        if self.slo.mode is not Mode.PREFILL and not self.scheduler_config.enable_chunked_prefill:
+        if self.slo.mode is not Mode.PREFILL and not compat.chunked_prefill_enabled(self):
             raise ValueError(
                 "scheduler_plugins colocated/decode modes need chunked prefill (do not disable it)"
             )
         # A private copy: the per-step long_prefill_token_threshold must not leak into the shared config.
-        self.scheduler_config = copy.copy(self.scheduler_config)
-        self._user_long_prefill = self.scheduler_config.long_prefill_token_threshold
-        self._engine_cap = self.max_num_scheduled_tokens
-        self._align = self.slo.chunk_align(self.block_size)
-        self._min_chunk = self.slo.min_chunk(self.block_size)
+        self._user_long_prefill = compat.privatize_scheduler_config(self)
+        self._engine_cap = compat.token_budget(self)
+        self._align = self.slo.chunk_align(compat.block_size(self))
+        self._min_chunk = self.slo.min_chunk(compat.block_size(self))
         self.cost_model = CostModel()
         self._in_flight: tuple[StepShape, float] | None = None
         self._last_log = 0.0
@@ -102,8 +88,7 @@ class SLOScheduler(Scheduler):
 
     # --- per-request targets -------------------------------------------------------------------------
     def _request_target_ms(self, request: Request, key: str, default: float) -> float:
-        extra = request.sampling_params.extra_args if request.sampling_params else None
-        value = (extra or {}).get(key)
+        value = (compat.extra_args(request) or {}).get(key)
         if value is None:
             return default
         try:
@@ -117,27 +102,26 @@ class SLOScheduler(Scheduler):
 
     def _deadline(self, request: Request) -> float:
         return (
-            request.arrival_time
+            compat.arrival_time(request)
             + self._request_target_ms(request, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
         )
 
     # --- the step --------------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
-        decodes = [r for r in self.running if _is_decode(r)]
-        prefills = [r for r in self.running if not _is_decode(r)]
+        running = compat.running(self)
+        decodes = [r for r in running if compat.is_decode(r)]
+        prefills = [r for r in running if not compat.is_decode(r)]
         if self.slo.mode is Mode.PREFILL:
             prefills = deadline_order(prefills, self._deadline)
-            waiting = deadline_order(self.waiting, self._deadline)
-            self.waiting.clear()  # type: ignore[attr-defined]  # FCFS queue is a deque (checked in __init__)
-            self.waiting.extend(waiting)  # type: ignore[attr-defined]
+            # The FCFS queue is a deque (checked in __init__).
+            compat.reorder_waiting(self, deadline_order(compat.waiting(self), self._deadline))
             self._set_budget(self._engine_cap, self._user_long_prefill)
         else:
-            if self.slo.mode is Mode.DECODE and self.waiting:
-                remote_first = sorted(self.waiting, key=lambda r: not _is_remote_kv(r))
-                self.waiting.clear()  # type: ignore[attr-defined]
-                self.waiting.extend(remote_first)  # type: ignore[attr-defined]
+            waiting = compat.waiting(self) if self.slo.mode is Mode.DECODE else []
+            if waiting:
+                compat.reorder_waiting(self, sorted(waiting, key=lambda r: not compat.is_remote_kv(r)))
             self._plan_step(decodes, prefills)
-        self.running[:] = decodes + prefills
+        compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)
         self._in_flight = (
             (self._shape_of(output), time.perf_counter()) if output.total_num_scheduled_tokens else None
@@ -155,11 +139,11 @@ class SLOScheduler(Scheduler):
 
     def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> None:
         """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node)."""
-        waiting = [*self.kv_holding_waiting, *self.waiting]
-        remote = [r for r in waiting if _is_remote_kv(r)] if self.slo.mode is Mode.DECODE else []
-        local_waiting = [r for r in waiting if not _is_remote_kv(r)] if remote else waiting
+        waiting = compat.waiting_with_kv(self)
+        remote = [r for r in waiting if compat.is_remote_kv(r)] if self.slo.mode is Mode.DECODE else []
+        local_waiting = [r for r in waiting if not compat.is_remote_kv(r)] if remote else waiting
         candidate = prefills[0] if prefills else (local_waiting[0] if local_waiting else None)
-        decode_tokens = sum(_pending_tokens(r) for r in decodes)
+        decode_tokens = sum(compat.pending_tokens(r) for r in decodes)
         reserve = len(remote)
         if candidate is None:
             self._set_budget(self._engine_cap, self._user_long_prefill)
@@ -170,8 +154,8 @@ class SLOScheduler(Scheduler):
         )
         plan = StepPlan(
             decodes=decode_tokens + reserve,
-            decode_context=sum(r.num_computed_tokens for r in decodes),
-            prefill_cached=candidate.num_computed_tokens,
+            decode_context=sum(compat.computed_tokens(r) for r in decodes),
+            prefill_cached=compat.computed_tokens(candidate),
             max_step_tokens=self._engine_cap,
         )
         limit_s = target_ms / 1e3 * self.slo.headroom
@@ -182,8 +166,7 @@ class SLOScheduler(Scheduler):
         self._log_budget(target_ms, chunk, plan, limit_s)
 
     def _set_budget(self, budget: int, long_prefill_threshold: int) -> None:
-        self.max_num_scheduled_tokens = budget
-        self.scheduler_config.long_prefill_token_threshold = long_prefill_threshold
+        compat.set_token_budget(self, budget, long_prefill_threshold)
         self.current_budget = budget
 
     def _log_budget(self, target_ms: float, chunk: int, plan: StepPlan, limit_s: float) -> None:
@@ -214,8 +197,8 @@ class SLOScheduler(Scheduler):
         prefill_tokens = decodes = 0
         pairs = 0.0
         for req_id, n in output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            cached = (request.num_computed_tokens - n) if request is not None else 0
+            request = compat.scheduled_request(self, req_id)
+            cached = (compat.computed_tokens(request) - n) if request is not None else 0
             pairs += attended_pairs(n, max(0, cached))
             if n == 1:
                 decodes += 1
