@@ -25,12 +25,12 @@ vLLM); each function imports what it reads.
 from __future__ import annotations
 
 import copy
-import importlib
 import importlib.metadata as metadata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pd_connector.engine_symbols import has_path, missing
 from pd_connector.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -105,30 +105,6 @@ SCHEDULER_FIELDS = (
 LAUNCHER_SYMBOLS = ("vllm.entrypoints.cli.main:main",)
 
 
-def _has_path(obj: object, path: str) -> bool:
-    for name in path.split("."):
-        try:
-            obj = getattr(obj, name)
-        except AttributeError:
-            return False
-    return True
-
-
-def missing(symbols: Iterable[str]) -> list[str]:
-    """The ``module:attribute.path`` entries of ``symbols`` the running vLLM lacks (module or attribute)."""
-    absent = []
-    for symbol in symbols:
-        module_name, _, path = symbol.partition(":")
-        try:
-            module: object = importlib.import_module(module_name)
-        except ImportError:
-            absent.append(symbol)
-            continue
-        if path and not _has_path(module, path):
-            absent.append(symbol)
-    return absent
-
-
 def _vllm_version() -> str:
     try:
         import vllm
@@ -147,7 +123,8 @@ def _raise_missing(user: str, absent: Sequence[str]) -> None:
 
 
 def require(user: str, symbols: Iterable[str]) -> None:
-    """Raise ``RuntimeError`` naming every symbol of ``symbols`` the running vLLM lacks (``user``: who needs them)."""
+    """Raise ``RuntimeError`` naming every symbol of ``symbols`` (``module:attribute.path``) the running vLLM
+    lacks; ``user`` (who needs them) starts the message."""
     absent = missing(symbols)
     if absent:
         _raise_missing(user, absent)
@@ -242,7 +219,7 @@ def require_scheduler(scheduler: Scheduler) -> None:
     """``SLOScheduler`` start-up check, after vLLM's ``Scheduler.__init__`` set its fields: raise naming every
     class symbol (``SCHEDULER_SYMBOLS``) and instance field (``SCHEDULER_FIELDS``) this vLLM lacks."""
     absent = missing(SCHEDULER_SYMBOLS)
-    absent += [f"Scheduler.{field}" for field in SCHEDULER_FIELDS if not _has_path(scheduler, field)]
+    absent += [f"Scheduler.{field}" for field in SCHEDULER_FIELDS if not has_path(scheduler, field)]
     if absent:
         _raise_missing("scheduler_plugins.vllm.SLOScheduler", absent)
 
