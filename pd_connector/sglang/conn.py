@@ -5,7 +5,8 @@ per request on a prefill server (P) and one ``PdKVReceiver`` per request on a de
 ``PdKVBootstrapServer`` runs in P's launcher process. They subclass SGLang's ``Common*`` classes, which keep
 SGLang's bootstrap protocol (P registers its ranks with its bootstrap server; D looks them up by
 ``bootstrap_host:bootstrap_port``; requests are matched by ``bootstrap_room``) and the ``KVPoll`` bookkeeping
-that ``decode.py``/``prefill.py`` call into. What moves the KV is pd_connector's ``TransferEngine``:
+that ``decode.py``/``prefill.py`` call into; those classes and every other SGLang internal used here come
+through ``compat.py``. What moves the KV is pd_connector's ``TransferEngine``:
 
 - P's manager runs the engine's side-channel listener and advertises its port as the rank port in the
   bootstrap registration (the Common zmq socket of P is not used by this backend);
@@ -32,25 +33,23 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
-from sglang.srt.disaggregation.common.conn import (
+
+from pd_connector.sglang import compat
+from pd_connector.sglang.compat import (
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
     CommonKVSender,
-)
-from sglang.srt.disaggregation.utils import DisaggregationMode
-from sglang.srt.environ import envs
-from sglang.srt.server_args import ServerArgs
-
-from pd_connector.sglang.config import SGLangBackendConfig
-from pd_connector.sglang.kv_buffers import (
-    UnsupportedPool,
-    describe_pool,
+    DisaggregationMode,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    ServerArgs,
     read_first_token,
-    resolve_dtype,
     write_first_token,
 )
+from pd_connector.sglang.config import SGLangBackendConfig
+from pd_connector.sglang.kv_buffers import UnsupportedPool, describe_pool, resolve_dtype
 from pd_connector.transfer.engine import TransferEngine
 from pd_connector.transfer.types import TransferConfig, TransferResult, TransferState
 
@@ -62,17 +61,6 @@ RESULT_POLL_INTERVAL_S = 0.002
 
 def _transfer_id(room: int) -> str:
     return f"sgl-{room}"
-
-
-def _rank_kv_heads(args: KVArgs, server_args: ServerArgs) -> int:
-    """KV heads of this rank: SGLang sets ``kv_head_num`` on prefill only; decode asks the model config."""
-    heads = getattr(args, "kv_head_num", None)
-    if heads:
-        return int(heads)
-    from sglang.srt.configs.model_config import ModelConfig
-
-    model_config = ModelConfig.from_server_args(server_args)
-    return int(model_config.get_num_kv_heads(server_args.tp_size))
 
 
 class PdKVManager(CommonKVManager):
@@ -100,7 +88,7 @@ class PdKVManager(CommonKVManager):
         dtype = resolve_dtype(
             getattr(server_args, "kv_cache_dtype", None), getattr(server_args, "dtype", None)
         )
-        self.pd_layout, self._pd_buffers = describe_pool(args, dtype, _rank_kv_heads(args, server_args))
+        self.pd_layout, self._pd_buffers = describe_pool(args, dtype, compat.rank_kv_heads(args, server_args))
         self._pd_engine: TransferEngine | None = None
         self._pd_lock = threading.Lock()
         self._pd_pages: dict[int, list[int]] = {}  # P: room -> pages offered so far
@@ -109,6 +97,7 @@ class PdKVManager(CommonKVManager):
         self._pd_stop = threading.Event()
         # CommonKVManager.__init__ calls register_to_bootstrap() on P, which starts the engine's listener.
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        compat.require_manager(self)
         if self._pd_engine is None:
             self._pd_engine = self._start_engine(listen=False)
         if disaggregation_mode == DisaggregationMode.DECODE:
@@ -125,7 +114,7 @@ class PdKVManager(CommonKVManager):
             engine_id=f"sglang-{self.disaggregation_mode.value}-{uuid.uuid4().hex[:8]}",
             listen_host=self.local_ip,
             listen_port=0 if listen else None,
-            load_timeout_s=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+            load_timeout_s=compat.waiting_timeout_s(),
         )
         transport = create_transport(self.pd_config.data_plane(self.local_ip))
         engine = TransferEngine(config, self.pd_layout, self._pd_buffers, transport)

@@ -1,15 +1,15 @@
-"""Describe an SGLang KV pool to the transfer engine, and read/write the metadata ("aux") rows of a request.
+"""Describe an SGLang KV pool to the transfer engine.
 
 Called by the KV manager (``conn.py``) in each SGLang scheduler process when it starts. SGLang's MHA pool
 keeps one K and one V buffer per layer, token-major (``[tokens, heads, head_dim]``), and hands them to a
 transfer backend as ``KVArgs.kv_data_ptrs`` = all K buffers, then all V buffers; one page of ``page_size``
 tokens is ``kv_item_lens[i]`` bytes. The transfer engine wants layer 0 K, layer 0 V, layer 1 K, ... and
-blocks of ``block_tokens`` tokens: a page is a block.
+blocks of ``block_tokens`` tokens: a page is a block. (A request's metadata rows, SGLang-internal, are read
+and written by ``compat.read_first_token`` / ``compat.write_first_token``.)
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 from pd_connector.layout import DTYPE_BYTES, KVLayout
@@ -74,29 +74,3 @@ def describe_pool(kv_args: Any, dtype: str, kv_heads: int) -> tuple[KVLayout, li
             # Only whole pages are addressable; a trailing partial page is never a transfer target.
             buffers.append((int(ptrs[i]), int(lens[i]) // layout.block_bytes * layout.block_bytes))
     return layout, buffers
-
-
-def read_first_token(kv_args: Any, aux_index: int) -> int:
-    """P side: the first sampled token of the request in metadata row ``aux_index``.
-
-    SGLang's ``MetadataBuffers`` lists ``output_ids`` (int32 ``[rows, 16]``) first; the prefill writes the
-    sampled token into its row before it sends the last chunk.
-    """
-    address = int(kv_args.aux_data_ptrs[0]) + aux_index * int(kv_args.aux_item_lens[0])
-    return int(ctypes.c_int32.from_address(address).value)
-
-
-def write_first_token(kv_args: Any, aux_index: int, first_token: int, bootstrap_room: int) -> None:
-    """D side: fill metadata row ``aux_index`` as SGLang's decode expects after a transfer.
-
-    ``output_ids[0]`` gets the first token; the ``bootstrap_room`` row (int64 ``[rows, 8]``, the last
-    buffer: the manager refuses the optional KV checksum buffer) gets the room, which decode checks to detect
-    a metadata row handed to the wrong request. Other rows (logprobs, hidden states) stay zero: the ``pd``
-    backend does not transfer them (docs/sglang.md).
-    """
-    ptrs, items = kv_args.aux_data_ptrs, kv_args.aux_item_lens
-    ctypes.c_int32.from_address(int(ptrs[0]) + aux_index * int(items[0])).value = int(first_token)
-    room_buf = len(ptrs) - 1
-    ctypes.c_int64.from_address(int(ptrs[room_buf]) + aux_index * int(items[room_buf])).value = int(
-        bootstrap_room
-    )

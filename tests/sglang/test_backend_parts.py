@@ -9,15 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pd_connector.sglang import plugin
+from pd_connector.sglang import compat, plugin
+from pd_connector.sglang.compat import read_first_token, write_first_token
 from pd_connector.sglang.config import SGLangBackendConfig
-from pd_connector.sglang.kv_buffers import (
-    UnsupportedPool,
-    describe_pool,
-    read_first_token,
-    resolve_dtype,
-    write_first_token,
-)
+from pd_connector.sglang.kv_buffers import UnsupportedPool, describe_pool, resolve_dtype
 
 
 class Backend(enum.Enum):
@@ -26,18 +21,18 @@ class Backend(enum.Enum):
 
 
 def test_unsupported_versions_are_refused_with_reason():
-    assert plugin.unsupported_reason("0.5.23") is None
-    reason = plugin.unsupported_reason("0.6.0")
+    assert compat.unsupported_reason("0.5.23") is None
+    reason = compat.unsupported_reason("0.6.0")
     assert reason is not None and "0.6.0" in reason and "0.5.23" in reason
-    assert plugin.unsupported_reason(None) == "sglang is not installed"
+    assert compat.unsupported_reason(None) == "sglang is not installed"
 
 
 def test_extend_enum_adds_a_member_found_by_value_and_is_idempotent():
-    member = plugin.extend_enum(Backend, "PD", "pd")
+    member = compat.extend_enum(Backend, "PD", "pd")
     assert Backend("pd") is member
     assert Backend.PD is member  # type: ignore[attr-defined]
     assert member.name == "PD" and member.value == "pd"
-    assert plugin.extend_enum(Backend, "PD", "pd") is member
+    assert compat.extend_enum(Backend, "PD", "pd") is member
     assert [m.value for m in Backend] == ["mooncake", "fake", "pd"]
 
 
@@ -55,7 +50,7 @@ def test_hook_defers_to_sglang_for_other_backends():
 def test_hook_for_pd_falls_back_to_sglang_when_our_classes_cannot_load():
     # Without SGLang installed our classes cannot import: the hook logs and lets SGLang answer (it raises
     # its own "Unsupported transfer backend" at start-up) instead of raising from inside the hook.
-    pd = plugin.extend_enum(Backend, "PD", "pd")
+    pd = compat.extend_enum(Backend, "PD", "pd")
     assert plugin.get_kv_class_hook(lambda b, t: ("sglang", b, t), pd, "manager") == ("sglang", pd, "manager")
 
 
