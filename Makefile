@@ -72,7 +72,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-unit: install
+unit: install sglang-env
 	$(BIN)/pytest -m unit -q $(PYTEST_ARGS)
 
 integration: install sglang-env model smollm2
