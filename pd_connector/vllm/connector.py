@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pd_connector.vllm.compat import CONNECTOR_SYMBOLS, check_version, require, tp_rank
+from pd_connector.vllm.compat import CONNECTOR_SYMBOLS, check_kv_cache, check_version, require, tp_rank
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
@@ -52,6 +52,7 @@ class PDConnector(KVConnectorBase_V1):
     ) -> None:
         check_version()
         require("PDConnector", CONNECTOR_SYMBOLS)
+        check_kv_cache(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = self._kv_transfer_config
         self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)

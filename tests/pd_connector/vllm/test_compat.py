@@ -8,6 +8,14 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from pd_connector.vllm import compat, plugin
 from pd_connector.vllm.compat import check_version, unsupported_reason
@@ -98,3 +106,23 @@ def test_scheduler_accessors_change_only_the_private_copy() -> None:
     running = scheduler.running
     compat.set_running_order(scheduler, ["y", "x"])
     assert scheduler.running is running and running == ["y", "x"]
+
+
+def _config(*specs: object) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]  # type: ignore[arg-type]
+    return KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_models_whose_cache_pdconnector_cannot_move_are_refused_naming_why() -> None:
+    shape = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    full = FullAttentionSpec(**shape)  # type: ignore[arg-type]
+    compat.check_kv_cache(_config(full))
+    compat.check_kv_cache(None)  # a scheduler built without the config: the workers check it
+    window = SlidingWindowSpec(**shape, sliding_window=128)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"hybrid model \(2 KV cache groups: FullAttentionSpec, SlidingWindowSpec\)"
+    ):
+        compat.check_kv_cache(_config(full, window))
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    with pytest.raises(ValueError, match="a MLAAttentionSpec KV cache; PDConnector moves full-attention"):
+        compat.check_kv_cache(_config(mla))
