@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,28 @@ IDLE_STEP_PAUSE_S = 0.005
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass
+class _Push:
+    """P: one request this rank pushes, from its first offer until vLLM was told it ended."""
+
+    transfer_id: str
+    ended: TransferResult | None = None  # the engine's result: no more pushes
+    report: bool | None = None  # P's scheduler finished the request: tell vLLM (True) or not (False)
+
+    @property
+    def live(self) -> bool:
+        return self.ended is None and self.report is None
+
+
+@dataclass
+class _Load:
+    """D: one request's load, from ``start_load_kv`` until vLLM was told it ended."""
+
+    transfer_id: str
+    blocks: list[int]  # the blocks it writes (failed loads report them)
+    aborted: bool = False  # D's scheduler aborted the request itself: not a load failure
 
 
 class WorkerSide:
@@ -67,18 +90,15 @@ class WorkerSide:
         self._sends = producer  # False on a P rank whose heads every D takes from a lower rank
         self._layer_index: dict[str, int] = {}
         self._written_s = 0.0  # the engine's cumulative layer-write seconds already reported
-        # P: transfer id -> request id of offered transfers; ended ones stop being fed.
-        self._send_req: dict[str, str] = {}
-        self._send_ended: dict[str, TransferResult] = {}  # by request id, until the scheduler finished it
-        self._send_finished: dict[str, bool] = {}  # scheduler finished: request id -> report to vLLM
-        self._released: set[str] = set()
-        # D: transfer id -> request id of loads in flight, and loads that could not even start.
-        self._recv_req: dict[str, str] = {}
-        self._recv_failed_at_start: set[str] = set()
-        self._recv_aborted: set[str] = set()  # D's scheduler aborted these requests itself
-        # D: the blocks each load writes (for vLLM builds that learn failures as block ids), and those of
-        # loads that failed since the last ``take_failed_blocks``.
-        self._recv_blocks: dict[str, list[int]] = {}
+        # P: each request's push by request id, and the request id of each transfer the engine still runs.
+        self._pushes: dict[str, _Push] = {}
+        self._pushing: dict[str, str] = {}
+        # D: each request's load by request id, the request id of each load in flight, the loads that could
+        # not even start (reported failed at the next step), and the blocks of loads reported failed since the
+        # last ``take_failed_blocks`` (for vLLM builds that learn failures as block ids).
+        self._loads: dict[str, _Load] = {}
+        self._loading: dict[str, str] = {}
+        self._unstarted: list[str] = []
         self._failed_blocks: set[int] = set()
         self._trace = TraceWriter(config.trace_path) if config.trace_path else None
 
@@ -117,7 +137,8 @@ class WorkerSide:
     # ---- P ----
 
     def _live(self, spec: SendSpec) -> bool:
-        return spec.req_id not in self._send_ended and spec.req_id not in self._send_finished
+        push = self._pushes.get(spec.req_id)
+        return push is None or push.live
 
     def bind(self, meta: PDConnectorMetadata) -> None:
         """Before the forward: offer this step's block tables; apply requests P's scheduler finished.
@@ -128,16 +149,17 @@ class WorkerSide:
             return
         for spec in meta.sends:
             if self._sends and self._live(spec):
-                self._send_req[spec.transfer_id] = spec.req_id
+                self._pushes.setdefault(spec.req_id, _Push(spec.transfer_id))
+                self._pushing[spec.transfer_id] = spec.req_id
                 self._eng.offer(spec.transfer_id, spec.block_ids, spec.prompt_hash)
         for finished in meta.finished_sends:
-            self._send_finished[finished.req_id] = finished.report
-            offered = next((t for t, r in self._send_req.items() if r == finished.req_id), None)
-            if offered is None:
-                # Never offered (no step ran for it): nothing to wait for.
-                self._send_ended.setdefault(finished.req_id, _never_offered(finished.req_id))
-            elif not finished.ok and finished.req_id not in self._send_ended:
-                self._eng.abort(offered, "request aborted on the prefill side")
+            push = self._pushes.get(finished.req_id)
+            if push is None:
+                # Never offered (no step ran for it, or this rank sends nothing): nothing to wait for.
+                push = self._pushes[finished.req_id] = _Push("", _never_offered(finished.req_id))
+            elif not finished.ok and push.ended is None:
+                self._eng.abort(push.transfer_id, "request aborted on the prefill side")
+            push.report = finished.report
 
     def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._sends or not meta.sends:
@@ -166,13 +188,13 @@ class WorkerSide:
         """Expect each load the scheduler planned; one that cannot start fails (vLLM's failure policy then
         applies to that request) and never raises: an exception here would kill the engine."""
         for spec in meta.recvs:
-            self._recv_blocks[spec.req_id] = spec.block_ids[spec.start_block :]
+            self._loads[spec.req_id] = _Load(spec.transfer_id, spec.block_ids[spec.start_block :])
             if not self._consumer:
                 logger.error(
                     "PDConnector: load of %s planned on a worker without the consumer role", spec.req_id
                 )
                 self._stats.failure()
-                self._recv_failed_at_start.add(spec.req_id)
+                self._unstarted.append(spec.req_id)
                 continue
             try:
                 self._eng.expect(
@@ -186,14 +208,14 @@ class WorkerSide:
             except ValueError as exc:
                 logger.warning("PDConnector: cannot load %s: %s", spec.transfer_id, exc)
                 self._stats.failure()
-                self._recv_failed_at_start.add(spec.req_id)
+                self._unstarted.append(spec.req_id)
                 continue
-            self._recv_req[spec.transfer_id] = spec.req_id
+            self._loading[spec.transfer_id] = spec.req_id
         for req_id in meta.aborted_recvs:
-            tid = next((t for t, r in self._recv_req.items() if r == req_id), None)
-            if tid is not None:
-                self._recv_aborted.add(req_id)
-                self._eng.abort(tid, "request aborted on the decode side")
+            load = self._loads.get(req_id)
+            if load is not None and load.transfer_id in self._loading:
+                load.aborted = True
+                self._eng.abort(load.transfer_id, "request aborted on the decode side")
 
     # ---- both ----
 
@@ -207,29 +229,27 @@ class WorkerSide:
         prefill on the other core. On such idle steps the worker waits for a transfer to end, at most
         ``IDLE_STEP_PAUSE_S``.
         """
-        if meta is not None and meta.idle_step and (self._recv_req or self._send_req) and self._engine:
+        if meta is not None and meta.idle_step and (self._loading or self._pushing) and self._engine:
             self._engine.wait(IDLE_STEP_PAUSE_S)
-        recving: set[str] = set(self._recv_failed_at_start)
-        failed: set[str] = set(self._recv_failed_at_start)
-        self._recv_failed_at_start.clear()
+        recving: set[str] = set(self._unstarted)
+        failed: set[str] = set(self._unstarted)
+        self._unstarted.clear()
         if self._engine is not None:
             for result in self._engine.poll():
                 if result.role == "send":
-                    req_id = self._send_req.pop(result.transfer_id, None)
+                    req_id = self._pushing.pop(result.transfer_id, None)
                     self._record(result, req_id)
                     if req_id is not None:
-                        self._send_ended[req_id] = result
+                        self._pushes[req_id].ended = result
                 else:
-                    req_id = self._recv_req.pop(result.transfer_id, None)
+                    req_id = self._loading.pop(result.transfer_id, None)
                     self._record(result, req_id)
                     if req_id is None:
                         continue
                     recving.add(req_id)
-                    aborted_here = req_id in self._recv_aborted
-                    self._recv_aborted.discard(req_id)
                     # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
                     # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
-                    if result.state is not TransferState.DONE and not aborted_here:
+                    if result.state is not TransferState.DONE and not self._loads[req_id].aborted:
                         logger.warning(
                             "PDConnector: load of %s %s: %s",
                             result.transfer_id,
@@ -238,13 +258,12 @@ class WorkerSide:
                         )
                         failed.add(req_id)
         for req_id in recving:
-            blocks = self._recv_blocks.pop(req_id, [])
-            if req_id in failed:
-                self._failed_blocks.update(blocks)
+            load = self._loads.pop(req_id, None)
+            if req_id in failed and load is not None:
+                self._failed_blocks.update(load.blocks)
         sending: set[str] = set()
-        for req_id in [r for r in self._send_finished if r in self._send_ended]:
-            del self._send_ended[req_id]
-            if self._send_finished.pop(req_id):
+        for req_id in [r for r, p in self._pushes.items() if p.ended is not None and p.report is not None]:
+            if self._pushes.pop(req_id).report:
                 sending.add(req_id)
         return sending, recving, failed
 
