@@ -20,7 +20,7 @@ from aiohttp import web
 
 from router.app import make_app
 from router.config import ConfigError, load_config
-from router.front import make_runner
+from router.front_runner import make_runner
 
 
 async def _freeze_startup_objects(app: web.Application) -> None:

@@ -1,7 +1,7 @@
 """The lean HTTP/1.1 front that serves the completion endpoints; every other request goes to aiohttp.
 
-Runs in the router process: ``FrontRunner`` replaces aiohttp's ``AppRunner`` (``cli.py``, unit tests), so
-every site of the runner accepts connections here first.
+Runs in the router process: ``front_runner.FrontRunner`` replaces aiohttp's ``AppRunner`` (``cli.py``, unit
+tests), so every site of the runner accepts connections here first, one ``Connection`` each.
 
 Why: aiohttp's server wakes a per-connection task when a request has arrived, and that task then creates
 the handler's task: two event-loop turns between a request's last byte and the first line of its handler on
@@ -41,15 +41,16 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import formatdate
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import httptools
-from aiohttp import web
-from aiohttp.web_server import Server
 
-from router.app import COMPLETIONS, STATE, RouterState, answered, complete, too_large
+from router.app import COMPLETIONS, answered, complete, too_large
 from router.downstream import Reply, http_chunk
 from router.errors import ApiError
+
+if TYPE_CHECKING:
+    from router.front_runner import Front
 
 log = logging.getLogger("router.front")
 
@@ -90,7 +91,7 @@ class _Request:
     reject: ApiError | None
 
 
-class _Dates:
+class Dates:
     """The ``Date`` header, formatted once per second (per front, not per response)."""
 
     def __init__(self) -> None:
@@ -117,7 +118,7 @@ def _head(status: int, headers: Mapping[str, str], extra: bytes, date: bytes) ->
 class _Stream:
     """``Downstream`` of one request on a front connection: status line, headers and events, framed."""
 
-    def __init__(self, conn: _Connection, request: _Request) -> None:
+    def __init__(self, conn: Connection, request: _Request) -> None:
         self._conn = conn
         self._keep_alive = request.keep_alive
         self.chunked = not request.http10  # an HTTP/1.0 client reads the stream until the connection closes
@@ -147,7 +148,7 @@ class _Stream:
         return False
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection while the front serves it (until it closes or is handed to aiohttp)."""
 
     def __init__(self, front: Front) -> None:
@@ -408,66 +409,3 @@ class _Connection(asyncio.Protocol):
             self._task.cancel()
         if self.transport is not None:
             self.transport.close()
-
-
-class Front:
-    """The protocol factory the runner's sites listen with: a ``_Connection`` per accepted connection.
-
-    Stands in for aiohttp's ``Server`` towards ``BaseRunner`` (which calls it, ``pre_shutdown`` and
-    ``shutdown``) and hands connections it does not serve to that server.
-    """
-
-    def __init__(self, aiohttp_server: Server, state: RouterState) -> None:
-        self._aiohttp = aiohttp_server
-        self.state = state
-        self.max_body = state.cfg.server.max_body_bytes
-        self.keepalive_s = state.cfg.server.keepalive_s
-        self.dates = _Dates()
-        self.connections: set[_Connection] = set()
-
-    def __call__(self) -> asyncio.Protocol:
-        return _Connection(self)
-
-    def aiohttp_protocol(self) -> asyncio.Protocol:
-        return self._aiohttp()
-
-    @property
-    def requests_count(self) -> int:
-        return self._aiohttp.requests_count
-
-    def pre_shutdown(self) -> None:
-        for conn in list(self.connections):
-            conn.stop()
-        self._aiohttp.pre_shutdown()
-
-    async def shutdown(self, timeout: float | None = None) -> None:
-        await asyncio.gather(self._finish(timeout), self._aiohttp.shutdown(timeout))
-
-    async def _finish(self, timeout: float | None) -> None:
-        """Let requests in flight end (up to ``timeout`` seconds), then cancel what is left."""
-        in_flight = [task for conn in list(self.connections) if (task := conn.stop()) is not None]
-        if in_flight:
-            await asyncio.wait(in_flight, timeout=timeout)
-        for conn in list(self.connections):
-            conn.close()
-
-
-class FrontRunner(web.AppRunner):
-    """aiohttp's ``AppRunner`` whose sites accept connections through the front (``Front``)."""
-
-    async def _make_server(self) -> Server:
-        aiohttp_server = await super()._make_server()
-        # The runner and its sites use a server only as a protocol factory with pre_shutdown/shutdown.
-        return cast(Server, Front(aiohttp_server, self.app[STATE]))
-
-
-def make_runner(app: web.Application) -> FrontRunner:
-    """The runner ``cli.py`` serves the router with: the ``[server]`` timeouts apply to both servers."""
-    server = app[STATE].cfg.server
-    return FrontRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        keepalive_timeout=server.keepalive_s,
-        shutdown_timeout=server.shutdown_timeout_s,
-    )

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from router.app import STATE, RouterState, make_app
 from router.config import RouterConfig, parse_config
-from router.front import FrontRunner
+from router.front_runner import FrontRunner
 from test_support.fake_vllm import FakeEngine, Pairings
 
 MODEL = "fake-model"

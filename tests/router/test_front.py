@@ -15,7 +15,7 @@ import httptools
 import pytest
 from aiohttp.test_utils import TestServer
 
-from router import front
+from router import front, front_runner
 from tests.router.conftest import MODEL, RouterServer, short_prompt
 from tests.router.sse import payloads, text_of
 
@@ -114,13 +114,13 @@ def router_server() -> type[TestServer]:
 def handovers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the connections the front hands to aiohttp."""
     calls: list[int] = []
-    original = front.Front.aiohttp_protocol
+    original = front_runner.Front.aiohttp_protocol
 
-    def counted(self: front.Front) -> Any:
+    def counted(self: front_runner.Front) -> Any:
         calls.append(1)
         return original(self)
 
-    monkeypatch.setattr(front.Front, "aiohttp_protocol", counted)
+    monkeypatch.setattr(front_runner.Front, "aiohttp_protocol", counted)
     return calls
 
 
