@@ -229,26 +229,37 @@ def measure(
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Stacked bars: per model and length, the median of each first-token stage (ms)."""
+    """Two panels per model and length: TTFT of pd and of P's prefill alone against colocated, and the first
+    token's stages other than P's prefill (what the P/D path adds around it), stacked, in ms."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{model}\n{length} tok" for model, per in results.items() for length in per]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4.5))
-    bottoms = [0.0] * len(labels)
+    cases = [(model, length) for model, per in results.items() for length in per]
+    labels = [f"{model}\n{length} tok" for model, length in cases]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7, 1.3 * len(labels)), 7.5), sharex=True)
+    x = range(len(cases))
+    for offset, kind in ((-0.2, "pd"), (0.2, "prefill")):
+        ratios = [results[m][n]["ttft_ms"][kind] / results[m][n]["ttft_ms"]["colocated"] for m, n in cases]
+        top.bar([i + offset for i in x], ratios, width=0.4, label=f"TTFT {kind} / colocated")
+    top.axhline(1.0, color="black", linewidth=0.8)
+    top.set_ylabel("x colocated TTFT (median)")
+    top.legend(fontsize=8)
+    top.set_title("First token through pd-router (P->D)")
+    bottoms = [0.0] * len(cases)
     for name, _, _ in SPANS:
-        values = [per[length]["stages_ms"].get(name, 0.0) for per in results.values() for length in per]
-        ax.bar(labels, values, bottom=bottoms, label=name)
+        if name == "p_prefill":
+            continue
+        values = [results[m][n]["stages_ms"].get(name, 0.0) for m, n in cases]
+        bottom.bar(list(x), values, bottom=bottoms, label=name)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
-    colocated = [per[length]["ttft_ms"]["colocated"] for per in results.values() for length in per]
-    ax.scatter(labels, colocated, color="black", marker="_", s=400, zorder=3, label="colocated TTFT")
-    ax.set_ylabel("ms (median)")
-    ax.set_title("First token through pd-router (P->D), by stage")
-    ax.legend(fontsize=7, loc="upper left")
+    bottom.set_ylabel("ms (median per stage)")
+    bottom.set_title("Stages besides P's prefill", fontsize=10)
+    bottom.set_xticks(list(x), labels)
+    bottom.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
