@@ -22,7 +22,7 @@ import msgspec
 class TraceRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     """One side of one transfer (``component`` prefill/decode) or one routed request (router).
 
-    ``stages``: stage -> wall-clock seconds (``pd_connector.transfer.timeline`` for the engines,
+    ``stages``: stage -> wall-clock seconds (``pd_connector.timeline`` for the engines,
     ``router.trace`` for the router). ``state``: the transfer's end (done, failed, aborted) or, for the
     router, how the request ended (ok or the error kind).
     """

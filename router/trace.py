@@ -13,11 +13,9 @@ answer), ``client_first_byte`` (the response started towards the client).
 
 from __future__ import annotations
 
-import itertools
-import time
-
 from prometheus_client import CollectorRegistry, Histogram
 
+from pd_connector.timeline import Timeline, spans
 from pd_connector.trace import TraceRecord, TraceWriter
 
 STAGES = (
@@ -31,21 +29,17 @@ STAGES = (
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class Stamps:
-    """The stages one disaggregated request passed in the router (first stamp of each stage kept)."""
+class Stamps(Timeline):
+    """The stages one disaggregated request passed in the router (first stamp of each stage kept), and the
+    transfer id the engines know it by."""
 
-    __slots__ = ("stamps", "transfer_id")
+    __slots__ = ("transfer_id",)
 
     def __init__(self, received: float) -> None:
         """``received``: the ``time.monotonic()`` reading taken when the request arrived."""
+        super().__init__()
         self.transfer_id = ""
-        self.stamps: dict[str, float] = {}
         self.mark("received", received)
-
-    def mark(self, stage: str, monotonic_at: float | None = None) -> None:
-        if stage not in self.stamps:
-            now = time.time()
-            self.stamps[stage] = now if monotonic_at is None else now - (time.monotonic() - monotonic_at)
 
 
 class Tracer:
@@ -64,9 +58,8 @@ class Tracer:
 
     def end(self, stamps: Stamps, state: str) -> None:
         """A disaggregated request ended (``state``: ``ok`` or why not)."""
-        seen = sorted((t, STAGES.index(s), s) for s, t in stamps.stamps.items())
-        for (ta, _, a), (tb, _, b) in itertools.pairwise(seen):
-            self._stages.labels(f"{a}->{b}").observe(tb - ta)
+        for span, seconds in spans(stamps.stamps, STAGES).items():
+            self._stages.labels(span).observe(seconds)
         if self._writer is not None:
             self._writer.write(TraceRecord("router", stamps.transfer_id, dict(stamps.stamps), state))
 

@@ -30,9 +30,9 @@ from pd_connector.protocol import (
     LayerDone,
     Message,
 )
+from pd_connector.timeline import Timeline
 from pd_connector.transfer import handshake
 from pd_connector.transfer.context import EngineContext, logger
-from pd_connector.transfer.timeline import Timeline
 from pd_connector.transfer.types import TransferResult, TransferState
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from pd_connector import control
 from pd_connector.layout import BlockMapping, KVLayout
 from pd_connector.protocol import Abort, Destinations
-from pd_connector.transfer.timeline import Timeline
+from pd_connector.timeline import Timeline
 from pd_connector.transfer.types import TransferState
 
 

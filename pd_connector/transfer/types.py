@@ -96,7 +96,7 @@ class TransferResult:
     duration_s: float = 0.0
     exposed_s: float = 0.0
     lease_expired: bool = False
-    #: When each stage happened on this side, wall-clock seconds (``pd_connector.transfer.timeline``).
+    #: When each stage happened on this side, wall-clock seconds (``pd_connector.timeline``).
     stages: dict[str, float] = field(default_factory=dict)
 
 

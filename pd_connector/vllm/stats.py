@@ -32,7 +32,7 @@ COUNTERS = (
     "refused_requests",
 )
 SERIES = ("transfer_s", "exposed_s", "load_s")
-#: ``[stage span, seconds]`` pairs (``pd_connector.transfer.timeline.spans``): where a transfer's time went.
+#: ``[stage span, seconds]`` pairs (``pd_connector.timeline.spans``): where a transfer's time went.
 STAGES = "stage_s"
 
 

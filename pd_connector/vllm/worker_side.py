@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from pd_connector.layout import sends_heads
+from pd_connector.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
-from pd_connector.transfer.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.compat import TPRank, cpu_kv_layout
 from pd_connector.vllm.config import PDConnectorConfig

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pd_connector.transfer.timeline import SEND_STAGES, Timeline, spans
+from pd_connector.timeline import SEND_STAGES, Timeline, spans
 
 
 def test_spans_follow_the_order_stages_happened_in() -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pd_connector.timeline import RECV_STAGES, SEND_STAGES
 from pd_connector.trace import read_trace
 from pd_connector.transfer import TransferState
-from pd_connector.transfer.timeline import RECV_STAGES, SEND_STAGES
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.worker_side import WorkerSide, cpu_kv_layout

@@ -1,6 +1,7 @@
 """When each stage of one transfer happened, on one side: the raw material of the first-token trace.
 
-The sender (P) and receiver (D) stamp stages on the engine's I/O thread as they happen and hand the stamps to
+Engine-agnostic, and importable without the transfer engine: pd-router stamps its own stages of a request with
+the same ``Timeline`` and ``spans`` (``router/trace.py``). The sender (P) and receiver (D) stamp stages on the engine's I/O thread as they happen and hand the stamps to
 the adapter in ``TransferResult.stages``; the adapter adds its own (D: when vLLM learnt the load finished),
 exports the spans between consecutive stages as histograms and, when asked, writes the whole record to a
 trace file (``trace.py``). Stamps are wall-clock seconds (``time.time()``) so the records of P, D and the
