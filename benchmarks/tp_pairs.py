@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from benchmarks.helper_process import Helper, wait_for_exit
 from benchmarks.kv_shapes import (
     BLOCK_TOKENS,
     KV_DST,
@@ -146,19 +147,20 @@ def serve(d_tp: int, rank: int, kind: str, huge: bool) -> None:
     """A D rank: register its cache, print ``READY <hex>``, wait for ``exit`` on stdin."""
     memory = RankMemory(rank_layout(d_tp, rank), kind, huge, fill=False)
     print("READY", memory.descriptor.hex(), flush=True)
-    for line in sys.stdin:
-        if line.strip() == "exit":
-            break
+    wait_for_exit()
     memory.transport.close()
 
 
 def run_pair(p_tp: int, d_tp: int, samples: int, kind: str, huge: bool) -> list[float]:
     """One round of one pair: D's ranks in their own processes, P's ranks here; ``samples`` timed transfers."""
     flags = ["--transport", kind] + ([] if huge else ["--no-huge-pages"])
-    receivers = [_receiver(d_tp, r, flags) for r in range(d_tp)]
+    receivers: list[Helper] = []
     senders: list[RankMemory] = []
     try:
-        descriptors = [_ready(proc) for proc in receivers]
+        for rank in range(d_tp):
+            argv = [sys.executable, "-m", "benchmarks.tp_pairs", "--serve", f"{d_tp},{rank}", *flags]
+            receivers.append(Helper(argv, f"D rank {rank}"))
+        descriptors = [r.descriptor for r in receivers]
         copies = plan_copies(p_tp, d_tp)
         senders = [RankMemory(rank_layout(p_tp, r), kind, huge, fill=True) for r in range(p_tp)]
         for p, d in copies:
@@ -182,32 +184,8 @@ def run_pair(p_tp: int, d_tp: int, samples: int, kind: str, huge: bool) -> list[
     finally:
         for sender in senders:
             sender.transport.close()
-        for proc in receivers:
-            _stop(proc)
-
-
-def _receiver(d_tp: int, rank: int, flags: list[str]) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "benchmarks.tp_pairs", "--serve", f"{d_tp},{rank}", *flags]
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _ready(proc: subprocess.Popen[str]) -> bytes:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("READY "):
-            return bytes.fromhex(line.split()[1])
-    raise RuntimeError(f"a D rank exited with {proc.wait()} before it was ready")
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    try:
-        assert proc.stdin is not None
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-        proc.wait(30)
-    except (BrokenPipeError, subprocess.TimeoutExpired):
-        proc.kill()
-        proc.wait(10)
+        for helper in receivers:
+            helper.stop()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from benchmarks import tp_pairs
+from benchmarks.helper_process import Helper, wait_for_exit
 from benchmarks.kv_shapes import KV_DST, KV_SRC, POOL_BLOCKS, PROMPT_BLOCKS, huge_pages, small_pages
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
 from pd_connector.transport.cma import CmaConfig, build_iovecs, call_bounds, decode_descriptor, vm_call
@@ -129,9 +129,7 @@ def serve(kind: str, tls: str, huge: bool) -> None:
         transport = _our_transport(kind, tls, huge)
         descriptor, closer = transport.register(memory.regions()), transport.close
     print("READY", descriptor.hex(), flush=True)
-    for line in sys.stdin:
-        if line.strip() == "exit":
-            break
+    wait_for_exit()
     closer()
 
 
@@ -198,33 +196,10 @@ def _serve_nixl(memory: Memory) -> tuple[bytes, Callable[[], None]]:
     return struct.pack("!I", len(meta)) + meta + addresses, lambda: agent.deregister_memory(descs)
 
 
-class Receiver:
-    def __init__(self, kind: str, huge: bool, tls: str = "") -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.transport", "--serve", kind, "--tls", tls, *_huge_arg(huge)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("READY "):
-                self.descriptor = bytes.fromhex(line.split()[1])
-                return
-        raise RuntimeError(f"{kind} receiver exited with {self.proc.wait()}")
-
-    def cpu_seconds(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(30)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
+def receiver(kind: str, huge: bool, tls: str = "") -> Helper:
+    """A receiver process (``serve``) for ``kind``, started and ready: its ``descriptor`` is what to attach."""
+    argv = [sys.executable, "-m", "benchmarks.transport", "--serve", kind, "--tls", tls, *_huge_arg(huge)]
+    return Helper(argv, f"{kind} receiver", CLEAN_ENV)
 
 
 # -- senders: one process per data path, driven one repetition at a time ----------------------------------------
@@ -239,7 +214,7 @@ def case_bytes(case: str) -> int:
 class Path:
     """One data path's sender side: ``run(case)`` moves one repetition's bytes and returns when they landed."""
 
-    receiver: Receiver | None = None
+    receiver: Helper | None = None
 
     def run(self, case: str) -> None:
         raise NotImplementedError
@@ -282,7 +257,7 @@ class OursPath(Path):
         self, memory: Memory, kind: str, tls: str, huge: bool, cma_segment_bytes: int | None = None
     ) -> None:
         self.memory = memory  # registered, not owned, by the transport: keep it alive
-        self.receiver = Receiver(kind, huge, tls)
+        self.receiver = receiver(kind, huge, tls)
         # puts are one-sided: only the sender's segment size matters (the receiver keeps the default)
         self.sender = _our_transport(kind, tls, huge, cma_segment_bytes)
         self.sender.register(memory.regions())
@@ -338,7 +313,7 @@ class RawSocketPath(Path):
 
     def __init__(self, memory: Memory, huge: bool) -> None:
         self.memory = memory
-        self.receiver = Receiver("raw", huge)
+        self.receiver = receiver("raw", huge)
         (port,) = struct.unpack("!H", self.receiver.descriptor)
         self.view = memory.messages.data
         self.loop = asyncio.new_event_loop()
@@ -370,7 +345,7 @@ class NixlPath(Path):
 
     def __init__(self, memory: Memory, huge: bool) -> None:
         self.memory = memory
-        self.receiver = Receiver("nixl", huge)
+        self.receiver = receiver("nixl", huge)
         self.agent = agent = _nixl_agent("sender")
         regs = [(memory.messages.ctypes.data, MESSAGE_BYTES, 0, "")]
         regs += [(int(memory.kv[r].ctypes.data), int(memory.kv[r].nbytes), 0, "") for r in range(KV_REGIONS)]
@@ -539,38 +514,19 @@ def drive(name: str, huge: bool) -> None:
 
 
 class Driver:
-    """The orchestrator's handle on one sender process."""
+    """The orchestrator's handle on one sender process (``drive``)."""
 
     def __init__(self, name: str, huge: bool) -> None:
         self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.transport", "--drive", name, *_huge_arg(huge)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
-        )  # fmt: skip
-        self._expect("READY")
-
-    def _expect(self, tag: str) -> list[str]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(tag):
-                return line.split()[1:]
-        raise RuntimeError(f"{self.name} sender exited with {self.proc.wait()} before {tag}")
+        argv = [sys.executable, "-m", "benchmarks.transport", "--drive", name, *_huge_arg(huge)]
+        self._helper = Helper(argv, f"{name} sender", CLEAN_ENV, stop_wait_s=60)
 
     def ask(self, command: str, tag: str) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return float(self._expect(tag)[0])
+        self._helper.send(command)
+        return float(self._helper.expect(tag)[0])
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(60)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
+        self._helper.stop()
 
 
 def main() -> None:
