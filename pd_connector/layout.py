@@ -5,22 +5,25 @@ engine sends it in the handshake, and the prefill side (P) checks the decode sid
 ``check_compatible`` before any byte moves. A mismatch is refused with a message naming every differing
 field, because a silently wrong mapping produces plausible-looking garbage tokens.
 
-Addressing model. Each layer's KV lives in one buffer ("packed": K and V interleaved in every block, as
-vLLM's CPU cache ``[blocks, heads, tokens, K|V]``) or two ("split": a K buffer and a V buffer, as SGLang's
-``k_buffer``/``v_buffer`` or flash-attention's ``[2, blocks, tokens, heads, dim]``). Buffers are arrays of
-equal blocks of ``block_tokens`` tokens. Within a block the data is either token-major
-(``[tokens, heads, dim]``: a block is a run of per-token slices, so any token range is contiguous) or
-heads-major (``[heads, tokens, dim]``: each head's part of a block is contiguous).
+Addressing model. Each layer's KV lives in one buffer ("packed": K and V of a token and head side by side, as
+vLLM's cache ``[blocks, heads, tokens, K|V]``, or FlashInfer's ``[blocks, 2, tokens, heads, dim]``) or two
+("split": a K buffer and a V buffer, as SGLang's ``k_buffer``/``v_buffer`` or FlashAttention's
+``[2, blocks, tokens, heads, dim]``); MLA's latent cache ``[blocks, tokens, latent]`` is one buffer with no K/V
+and no heads (``mla``). The unit every layout shares is one *vector*: the ``head_dim`` elements of one K or V
+(or latent) of one token and head, always contiguous. Where a vector sits in its buffer is given by four
+strides in vectors (``vector_strides``: block, token in block, head, K/V), read off the tensor by
+``kv_tensors.describe`` (any in-block order: NHD, HND, K/V outermost or innermost, padded or interleaved
+blocks). The strides travel in the handshake, so P computes D's addresses from them.
 
-Transports address memory in *granules* (``MemoryRegion.block_bytes``): one token (all its heads) for
-token-major layouts, one head of one block for heads-major layouts. Two compatible layouts always have the
-same granule size in bytes, so a copy list in granules is valid on both sides even when P and D use different
-block sizes (token-major) or hold different KV heads (heads-major).
+Transports address memory in *granules* (``MemoryRegion.block_bytes``): one vector. Two compatible layouts
+always have the same vector size, so a copy list in granules is valid on both sides whatever their block
+sizes, in-block orders and TP shares; ``BlockMapping.runs`` finds the contiguous runs (a whole block when
+both sides agree, a token or head slice when they do not).
 
 Tensor parallelism. Each TP rank holds a contiguous share of the model's KV heads (``rank_heads``, vLLM's
-split: replicated when there are more ranks than heads). A decode rank takes each of its heads from the first
-prefill rank holding it (``head_plan``), so a replicated head is sent once; a P rank and a D rank of different
-TP sizes exchange a head range of every block: one run per block, whatever the number of tokens.
+split: replicated when there are more ranks than heads; MLA's single latent "head" is on every rank). A
+decode rank takes each of its heads from the first prefill rank holding it (``head_plan``), so a replicated
+head (and the latent) is sent once.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
-from pd_connector.transport.base import BlockCopy, MemoryRegion
-from pd_connector.transport.coalesce import coalesce
+from pd_connector.transport.base import HOST, BlockCopy, MemoryRegion, MemoryType
 
 #: Bytes per element for the dtypes KV caches use (names as ``str(torch.dtype)`` without ``torch.``).
 DTYPE_BYTES: dict[str, int] = {
@@ -77,9 +81,14 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one engine worker's KV cache is laid out in memory (sent in the handshake).
 
     ``num_kv_heads``: the heads this worker holds. ``kv_split``: False when K and V share one buffer per layer
-    (packed), True for separate K and V buffers. ``token_major``: True when tokens are the outermost axis
-    inside a block (``[tokens, heads, dim]``). ``tp_size``/``tp_rank``/``total_kv_heads``: the worker's
-    tensor-parallel rank and the model's KV heads (``total_kv_heads`` 0: no tensor parallelism).
+    (packed), True for separate K and V buffers. ``token_major``: True when tokens are the outer axis of the
+    two inside a block (``[tokens, heads, dim]``, NHD), False for heads-major (HND).
+    ``tp_size``/``tp_rank``/``total_kv_heads``: the worker's tensor-parallel rank and the model's KV heads
+    (``total_kv_heads`` 0: no tensor parallelism). ``mla``: one latent vector per token (``head_dim`` its
+    width), no K/V and one "head" every TP rank holds whole. ``strides``: where a vector sits, in vectors, as
+    ``(block, token, head, kv)`` (``kv`` 0 when K/V select the buffer or there is none); empty means the
+    dense default of the flags: split ``[tokens, heads]``/``[heads, tokens]``, packed with K|V innermost
+    (``[tokens, heads, K|V]``/``[heads, tokens, K|V]``, vLLM's CPU cache), MLA ``[tokens]``.
     """
 
     num_layers: int
@@ -92,6 +101,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 1
     tp_rank: int = 0
     total_kv_heads: int = 0
+    mla: bool = False
+    strides: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_tokens", "num_kv_heads", "head_dim", "tp_size"):
@@ -99,12 +110,36 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.mla and (self.kv_split or self.model_kv_heads != 1):
+            raise ValueError(
+                "KVLayout: an MLA cache is one latent buffer per layer with one head on every rank"
+            )
         held = rank_heads(self.tp_size, self.tp_rank, self.model_kv_heads)
         if len(held) != self.num_kv_heads:
             raise ValueError(
                 f"KVLayout: TP rank {self.tp_rank} of {self.tp_size} holds {len(held)} of the model's "
                 f"{self.model_kv_heads} KV heads, not {self.num_kv_heads}"
             )
+        if self.strides:
+            self._check_strides()
+
+    def _check_strides(self) -> None:
+        """Explicit strides must address every vector of a block once and agree with ``token_major``."""
+        if len(self.strides) != 4 or min(self.strides) < 0:
+            raise ValueError(
+                f"KVLayout.strides {self.strides} must be 4 non-negative (block, token, head, kv)"
+            )
+        sb, st, sh, sk = self.strides
+        axes = [(st, self.block_tokens), (sh, self.num_kv_heads), (sk, self.kv_in_buffer)]
+        extent = 1
+        for stride, size in sorted((a for a in axes if a[1] > 1), key=lambda a: a[0]):
+            if stride < extent:
+                raise ValueError(f"KVLayout.strides {self.strides} make vectors of one block overlap")
+            extent = stride * size
+        if sb < extent:
+            raise ValueError(f"KVLayout.strides {self.strides}: blocks of {extent} vectors overlap")
+        if self.num_kv_heads > 1 and self.block_tokens > 1 and (st > sh) != self.token_major:
+            raise ValueError(f"KVLayout.strides {self.strides} contradict token_major={self.token_major}")
 
     @property
     def model_kv_heads(self) -> int:
@@ -119,48 +154,63 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def at_rank(self, tp_rank: int) -> KVLayout:
         """The layout of another TP rank of the same engine (same shape per head, its own heads)."""
         heads = rank_heads(self.tp_size, tp_rank, self.model_kv_heads)
-        return msgspec.structs.replace(self, tp_rank=tp_rank, num_kv_heads=len(heads))
+        strides = self.strides if len(heads) == self.num_kv_heads else ()
+        return msgspec.structs.replace(self, tp_rank=tp_rank, num_kv_heads=len(heads), strides=strides)
 
     @property
     def buffers_per_layer(self) -> int:
-        """1 for packed K/V, 2 for split (K buffer, then V buffer)."""
+        """1 for packed K/V (or MLA), 2 for split (K buffer, then V buffer)."""
         return 2 if self.kv_split else 1
 
     @property
+    def kv_in_buffer(self) -> int:
+        """Vectors per token and head in one buffer: 2 when K and V share it, 1 when split or MLA."""
+        return 1 if self.kv_split or self.mla else 2
+
+    @property
+    def vector_strides(self) -> tuple[int, int, int, int]:
+        """``(block, token, head, kv)`` strides in vectors (the explicit ``strides`` or the flags' default)."""
+        if self.strides:
+            sb, st, sh, sk = self.strides
+            return sb, st, sh, sk
+        heads, tokens, kv = self.num_kv_heads, self.block_tokens, self.kv_in_buffer
+        block = heads * tokens * kv
+        sk = 1 if kv == 2 else 0
+        if self.token_major:
+            return block, heads * kv, kv, sk
+        return block, kv, tokens * kv, sk
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes one token occupies in one buffer of one layer."""
-        kv = 1 if self.kv_split else 2
-        return self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype] * kv
+        """Bytes of one token's data in one buffer of one layer."""
+        return self.num_kv_heads * self.kv_in_buffer * self.granule_bytes
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block in one buffer (the stride between blocks)."""
+        """Bytes of one block's data in one buffer (its stride too, unless ``strides`` pad blocks)."""
         return self.token_bytes * self.block_tokens
 
     @property
     def granule_tokens(self) -> int:
-        """Tokens per transport addressing unit: 1 for token-major layouts, a block for heads-major ones."""
+        """Tokens a pushed range is widened to: 1 for token-major layouts, a block for heads-major ones
+        (whose blocks then move whole, one run each, not a run per head)."""
         return 1 if self.token_major else self.block_tokens
 
     @property
-    def granules_per_block(self) -> int:
-        """Granules in one block: one per token (token-major), one per head (heads-major)."""
-        return self.block_tokens if self.token_major else self.num_kv_heads
-
-    @property
     def granule_bytes(self) -> int:
-        """Bytes of one granule: a token with all its heads, or one head's part of a block."""
-        return self.block_bytes // self.granules_per_block
+        """Bytes of one granule (the transports' addressing unit): one vector of ``head_dim`` elements."""
+        return self.head_dim * DTYPE_BYTES[self.dtype]
 
     def compat_hash(self) -> str:
         """Hex SHA-256 of the canonical encoding: equal hashes mean identical layouts (fast path)."""
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()
 
-    def regions(self, buffers: Sequence[tuple[int, int]]) -> list[MemoryRegion]:
-        """Turn the adapter's buffers into transport regions addressed in granules.
+    def regions(self, buffers: Sequence[tuple[int, int]], memory: MemoryType = HOST) -> list[MemoryRegion]:
+        """Turn the adapter's buffers into transport regions addressed in granules (vectors).
 
         ``buffers`` lists ``(address, length_bytes)`` in order layer 0 (K or packed), layer 0 V (split only),
-        layer 1, ...; region ids are the list indices (``region_id(layer, kv)``).
+        layer 1, ...; region ids are the list indices (``region_id(layer, kv)``). ``memory``: where the
+        buffers live (``transport.base.HOST`` or ``CUDA``).
         """
         expected = self.num_layers * self.buffers_per_layer
         if len(buffers) != expected:
@@ -170,11 +220,12 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         regions = []
         for i, (address, length) in enumerate(buffers):
-            if length % self.block_bytes:
+            if length % self.granule_bytes or length < self.block_bytes:
                 raise ValueError(
-                    f"buffer {i} is {length} bytes, not a whole number of {self.block_bytes}-byte blocks"
+                    f"buffer {i} is {length} bytes, not a whole number of {self.granule_bytes}-byte vectors "
+                    f"holding at least one {self.block_bytes}-byte block"
                 )
-            regions.append(MemoryRegion(i, address, length, self.granule_bytes))
+            regions.append(MemoryRegion(i, address, length, self.granule_bytes, memory))
         return regions
 
     def region_id(self, layer: int, kv: int = 0) -> int:
@@ -182,39 +233,27 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return layer * self.buffers_per_layer + kv
 
 
-_MUST_MATCH = ("num_layers", "model_kv_heads", "head_dim", "dtype", "kv_split")
+_MUST_MATCH = ("num_layers", "model_kv_heads", "head_dim", "dtype", "kv_split", "mla")
+_WHY = {
+    "kv_split": "K and V in one buffer per layer on one side and in two on the other (copies name one region)",
+    "mla": "an MLA latent cache on one side and a K/V cache on the other",
+}
 
 
 def check_compatible(prefill: KVLayout, decode: KVLayout) -> None:
-    """Raise ``LayoutMismatch`` unless P's blocks can be copied into D's blocks granule by granule.
+    """Raise ``LayoutMismatch`` unless P's vectors can be copied into D's.
 
-    Different block sizes are mapped when both sides are token-major (a D block of 32 tokens is two
-    P blocks of 16 laid end to end); heads-major blocks of different sizes interleave heads and tokens
-    differently and are refused. K/V packed versus split changes the byte order inside every token and
-    is refused as well. Different TP sizes (different heads per rank) need heads-major blocks, where a head's
-    part of a block is contiguous; token-major caches would need a write per token and head (refused).
+    What must be equal is what a vector *is* (layers, the model's KV heads, head size, dtype, K/V packed or
+    split, MLA or not). Everything else is mapped: block sizes, in-block order (NHD/HND, where K/V sit),
+    padded blocks and TP sizes; a pair that agrees on little moves in small runs (a vector each at worst)
+    but moves exactly.
     """
+    fields = [name for name in _MUST_MATCH if getattr(prefill, name) != getattr(decode, name)]
     diffs = [
         f"{name}: prefill {getattr(prefill, name)!r} vs decode {getattr(decode, name)!r}"
-        for name in _MUST_MATCH
-        if getattr(prefill, name) != getattr(decode, name)
+        + (f" ({_WHY[name]})" if name in _WHY else "")
+        for name in fields
     ]
-    fields = [name for name in _MUST_MATCH if getattr(prefill, name) != getattr(decode, name)]
-    if prefill.tp_size != decode.tp_size and (prefill.token_major or decode.token_major):
-        fields.append("tp_size")
-        diffs.append(
-            f"tp_size: prefill {prefill.tp_size} vs decode {decode.tp_size} with a token-major cache: "
-            "different tensor parallelism needs heads-major blocks (or equal TP sizes)"
-        )
-    if prefill.token_major and decode.token_major:
-        pass  # any block sizes map token by token
-    elif prefill.block_tokens != decode.block_tokens or prefill.token_major != decode.token_major:
-        fields.append("block_tokens" if prefill.block_tokens != decode.block_tokens else "token_major")
-        diffs.append(
-            f"block_tokens {prefill.block_tokens} vs {decode.block_tokens}, token_major "
-            f"{prefill.token_major} vs {decode.token_major}: a heads-major block ([heads, tokens, dim]) "
-            "is only contiguous as a whole, so both sides need the same block size and in-block order"
-        )
     if diffs:
         raise LayoutMismatch("KV layout mismatch: " + "; ".join(diffs), fields)
 
@@ -293,48 +332,47 @@ class BlockMapping:
         heads: HeadSlice | None = None,
     ) -> list[tuple[int, int, int]]:
         """Coalesced ``(src granule, dst granule, granules)`` runs moving tokens ``[start_token, end_token)``,
-        sorted by source (merged by the transports' coalescer, ``transport.coalesce``).
+        sorted by source.
 
         ``heads``: the head slice D takes from this P (None: every head; both sides hold the same ones). The
         same runs serve every layer (only the region differs), so callers compute them once per range.
-        Heads-major layouts copy whole blocks (of the slice's heads), so the range is widened to block
-        boundaries. Raises ``ValueError`` when a table is too short for the range, the slice does not fit or
-        D's table names a block twice.
+        A heads-major P widens the range to its block boundaries (within both tables), so its blocks move
+        whole. Every vector of the range is placed by both sides' strides, then neighbours on both sides are
+        merged into runs. Raises ``ValueError`` when a table is too short for the range, the slice does not
+        fit or D's table names a block twice.
         """
-        g = self.prefill.granule_tokens
-        start, end = (start_token // g) * g, -(-end_token // g) * g
-        ps, ds = self.prefill.block_tokens, self.decode.block_tokens
-        if end > len(src_blocks) * ps or end > len(dst_blocks) * ds:
+        p, d = self.prefill, self.decode
+        ps, ds = p.block_tokens, d.block_tokens
+        if end_token > len(src_blocks) * ps or end_token > len(dst_blocks) * ds or start_token < 0:
             raise ValueError(
-                f"tokens [{start}, {end}) exceed the block tables: prefill {len(src_blocks)} x {ps}, "
+                f"tokens [{start_token}, {end_token}) exceed the block tables: prefill {len(src_blocks)} x {ps}, "
                 f"decode {len(dst_blocks)} x {ds} tokens"
             )
-        hp, hd = self.prefill.granules_per_block, self.decode.granules_per_block
-        if self.prefill.token_major:
-            if heads is not None and heads.num_heads != self.prefill.num_kv_heads:
-                raise ValueError("a token-major cache moves every head of a token (no head slices)")
-            src_head, dst_head, width = 0, 0, 1
-        else:
-            sl = heads or HeadSlice(0, 0, 0, self.prefill.num_kv_heads)
-            if sl.src_head + sl.num_heads > hp or sl.dst_head + sl.num_heads > hd or sl.num_heads <= 0:
-                raise ValueError(f"head slice {sl} does not fit {hp} prefill and {hd} decode heads")
-            src_head, dst_head, width = sl.src_head, sl.dst_head, sl.num_heads
-        spans: list[BlockCopy] = []
-        t = start
-        while t < end:
-            # Cut at the next block boundary on either side: inside that span both sides are contiguous.
-            nxt = min(end, (t // ps + 1) * ps, (t // ds + 1) * ds)
-            if self.prefill.token_major:
-                src = src_blocks[t // ps] * ps + t % ps
-                dst = dst_blocks[t // ds] * ds + t % ds
-                n = nxt - t
-            else:  # one whole block (equal block sizes): the slice's heads of it
-                src = src_blocks[t // ps] * hp + src_head
-                dst = dst_blocks[t // ds] * hd + dst_head
-                n = width
-            spans.append(BlockCopy(0, src, dst, n))
-            t = nxt
-        return [(src, dst, n) for _, src, dst, n in coalesce(spans)]
+        g = p.granule_tokens
+        start = (start_token // g) * g
+        end = min(-(-end_token // g) * g, len(src_blocks) * ps, len(dst_blocks) * ds)
+        sl = heads or HeadSlice(0, 0, 0, p.num_kv_heads)
+        if (
+            sl.num_heads <= 0
+            or sl.src_head + sl.num_heads > p.num_kv_heads
+            or sl.dst_head + sl.num_heads > d.num_kv_heads
+        ):
+            raise ValueError(
+                f"head slice {sl} does not fit {p.num_kv_heads} prefill and {d.num_kv_heads} decode heads"
+            )
+        if end <= start:
+            return []
+        tokens = np.arange(start, end, dtype=np.int64)
+        src = _vectors(p, np.asarray(src_blocks, np.int64), tokens, sl.src_head, sl.num_heads)
+        dst = _vectors(d, np.asarray(dst_blocks, np.int64), tokens, sl.dst_head, sl.num_heads)
+        order = np.argsort(src, kind="stable")
+        src, dst = src[order], dst[order]
+        if np.unique(dst).size != dst.size:
+            raise ValueError("decode block table names a block twice: its vectors would be written twice")
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [src.size])))
+        return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
 
     def layer_copies(self, layer: int, runs: Sequence[tuple[int, int, int]]) -> list[BlockCopy]:
         """The transport copies of ``runs`` for every buffer (K and V when split) of ``layer``."""
@@ -355,3 +393,15 @@ class BlockMapping:
     ) -> list[BlockCopy]:
         """Granule copies moving tokens ``[start_token, end_token)`` of ``layer`` (every buffer of it)."""
         return self.layer_copies(layer, self.runs(src_blocks, dst_blocks, start_token, end_token, heads))
+
+
+def _vectors(
+    layout: KVLayout, blocks: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64], head: int, num_heads: int
+) -> npt.NDArray[np.int64]:
+    """Vector index (in its buffer) of every (token, head, K/V) of the range, token-major, flattened."""
+    sb, st, sh, sk = layout.vector_strides
+    bt = layout.block_tokens
+    per_token = blocks[tokens // bt] * sb + (tokens % bt) * st
+    per_head = np.arange(head, head + num_heads, dtype=np.int64) * sh
+    per_kv = np.arange(layout.kv_in_buffer, dtype=np.int64) * sk
+    return (per_token[:, None, None] + per_head[None, :, None] + per_kv[None, None, :]).ravel()

@@ -18,7 +18,13 @@ import abc
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, Literal, NamedTuple, get_args
+
+#: Where registered memory lives: host memory (CPU KV caches, pinned staging buffers) or a CUDA device.
+MemoryType = Literal["host", "cuda"]
+MEMORY_TYPES: tuple[MemoryType, ...] = get_args(MemoryType)
+HOST: MemoryType = "host"
+CUDA: MemoryType = "cuda"
 
 
 @dataclass(frozen=True)
@@ -26,15 +32,22 @@ class MemoryRegion:
     """A local buffer to register: typically one layer's KV cache tensor, made of equal-sized blocks.
 
     ``address`` is the buffer's base pointer (``tensor.data_ptr()``), ``length`` its size in bytes and
-    ``block_bytes`` the stride between consecutive blocks. Blocks are indexed from 0 at ``address``.
+    ``block_bytes`` the stride between consecutive blocks (granules). Blocks are indexed from 0 at
+    ``address``. ``memory``: where the buffer lives; a transport registers only the memory types in its
+    ``memory_types`` (``check_reachable``), anything else is staged through host memory (``staging``).
     """
 
     region_id: int
     address: int
     length: int
     block_bytes: int
+    memory: MemoryType = HOST
 
     def __post_init__(self) -> None:
+        if self.memory not in MEMORY_TYPES:
+            raise ValueError(
+                f"region {self.region_id}: memory type {self.memory!r} is not one of {MEMORY_TYPES}"
+            )
         if self.block_bytes <= 0 or self.length < 0 or self.length % self.block_bytes:
             raise ValueError(
                 f"region {self.region_id}: length {self.length} is not a whole number of "
@@ -66,6 +79,8 @@ class Transport(abc.ABC):
 
     #: Short name used in handshakes, metrics and logs ("ucx", "tcp", "loopback").
     name: str
+    #: The memory types ``register`` accepts directly (the transport reads and writes them itself).
+    memory_types: ClassVar[frozenset[MemoryType]] = frozenset({HOST})
 
     @abc.abstractmethod
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
@@ -94,3 +109,16 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Stop the I/O thread, close every endpoint and deregister all memory (idempotent)."""
+
+
+def check_reachable(
+    transport_name: str, reachable: frozenset[MemoryType], regions: Sequence[MemoryRegion]
+) -> None:
+    """Refuse, at registration and naming it, a region in memory the transport cannot read or write
+    (``ValueError``): a host-only transport handed device memory would dereference a device pointer."""
+    bad = sorted({r.memory for r in regions} - reachable)
+    if bad:
+        raise ValueError(
+            f"transport {transport_name} cannot reach {', '.join(bad)} memory (it reaches "
+            f"{', '.join(sorted(reachable))}); stage it through pinned host memory (pd_connector.staging)"
+        )

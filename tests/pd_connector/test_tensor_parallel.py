@@ -80,9 +80,9 @@ def test_a_head_slice_costs_one_operation_per_block() -> None:
     p, d = model_layout(2, 2, 1), model_layout(2)
     blocks = list(range(0, 2048, 2))  # every other block: nothing coalesces across blocks
     runs = BlockMapping(p, d).runs(blocks, blocks, 0, 4096, HeadSlice(1, 0, 1, 1))
-    assert len(runs) == 1024 and all(n == 1 for _, _, n in runs)
+    assert len(runs) == 1024 and all(n == 4 * 2 for _, _, n in runs)  # one head: 4 tokens x K|V vectors
     whole = BlockMapping(d, d).runs(list(range(1024)), list(range(1024)), 0, 4096)
-    assert whole == [(0, 0, 2048)]
+    assert whole == [(0, 0, 1024 * 4 * 2 * 2)]
 
 
 class Cluster:
@@ -189,9 +189,16 @@ def test_a_failure_on_one_rank_fails_the_transfer_on_every_rank() -> None:
         assert_no_state(*cluster.p, d)
 
 
-def test_token_major_caches_need_equal_tp() -> None:
-    """Different TP sizes with token-major blocks would need a write per token and head: refused, naming it."""
-    p = msgspec.structs.replace(model_layout(2, 2, 0), token_major=True)
+def test_token_major_caches_of_different_tp_move_a_run_per_token() -> None:
+    """Different TP sizes with token-major blocks: a head slice of a token is contiguous, a token's heads
+    of one P rank are not next to the other rank's in D, so each token is a run of its own (mapped, not
+    refused; exact bytes for every layout pair are proven in test_kv_tensors)."""
+    p = msgspec.structs.replace(model_layout(2, 2, 1), token_major=True)
     d = msgspec.structs.replace(model_layout(2), token_major=True)
-    with pytest.raises(LayoutMismatch, match="tp_size: prefill 2 vs decode 1"):
-        check_compatible(p, d)
+    check_compatible(p, d)
+    (plan,) = [sl for sl in head_plan(2, d) if sl.prefill_rank == 1]
+    runs = BlockMapping(p, d).runs([0], [0], 0, 4, plan)
+    # P rank 1's block: 4 tokens x (1 head x K|V) = 8 vectors; D's: 4 tokens x 2 heads x K|V, head 1 second.
+    assert runs == [(2 * t, 4 * t + 2, 2) for t in range(4)]
+    with pytest.raises(LayoutMismatch, match="model_kv_heads: prefill 2 vs decode 4"):
+        check_compatible(p, model_layout(4))

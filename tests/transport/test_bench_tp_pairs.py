@@ -12,11 +12,12 @@ from benchmarks.kv_shapes import KV_DST, KV_SRC, POOL_BLOCKS
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), tp_pairs.PAIRS)
 def test_each_d_head_of_each_prompt_block_is_written_once(p_tp: int, d_tp: int) -> None:
-    granule = tp_pairs.rank_layout(1, 0).granule_bytes  # one head of one block: the same on every rank
+    granule = tp_pairs.rank_layout(1, 0).granule_bytes  # one head vector: the same on every rank
     moved = 0
     for d in range(d_tp):
         decode = tp_pairs.rank_layout(d_tp, d)
-        written = np.zeros((2 * tp_pairs.LAYERS, POOL_BLOCKS * decode.num_kv_heads), np.int64)
+        per_block = decode.num_kv_heads * decode.block_tokens  # vectors of one block in one buffer
+        written = np.zeros((2 * tp_pairs.LAYERS, POOL_BLOCKS * per_block), np.int64)
         for (_, dst_rank), layers in tp_pairs.plan_copies(p_tp, d_tp).items():
             if dst_rank != d:
                 continue
@@ -24,9 +25,9 @@ def test_each_d_head_of_each_prompt_block_is_written_once(p_tp: int, d_tp: int) 
                 for copy in layer:
                     written[copy.region_id, copy.dst_block : copy.dst_block + copy.num_blocks] += 1
                     moved += copy.num_blocks * granule
-        expected = np.zeros(POOL_BLOCKS * decode.num_kv_heads, np.int64)
+        expected = np.zeros(POOL_BLOCKS * per_block, np.int64)
         for block in KV_DST:
-            expected[block * decode.num_kv_heads : (block + 1) * decode.num_kv_heads] = 1
+            expected[block * per_block : (block + 1) * per_block] = 1
         assert (written == expected).all()
     assert moved == tp_pairs.prompt_bytes()
 
