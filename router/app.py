@@ -50,11 +50,13 @@ class RouterState:
         self.rng = rng or random.Random()
         self.tokenizer = PromptTokenizer(cfg.tokenizer_dir())
         self.metrics = RouterMetrics()
-        self.balancer = Balancer(cfg.circuit, self.rng)
+        self.balancer = Balancer(cfg.circuit, self.rng, kv=cfg.kv_routing)
         for role, workers in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for w in workers:
                 self.balancer.add(w, role).healthy = False  # until the first check passes
         self.metrics.watch_workers(self.balancer.all_workers)
+        if self.balancer.prefixes is not None:
+            self.metrics.watch_prefixes(self.balancer.prefixes)
         self.keys = cfg.client_keys()
         self.created = int(time.time())
         self.upstream: Pool | None = None  # request legs and health checks

@@ -1,9 +1,14 @@
-"""Worker pools and load balancing: P by least outstanding prefill tokens, D by power of two choices.
+"""Worker pools and load balancing: P by least outstanding prefill tokens, D by power of two choices, both
+weighed against cached prefixes when KV-aware routing is on.
 
 Lives in the router process and is mutated only from its event loop (no locks needed): the request path
 reserves a worker (``lease``) before sending and releases it when the leg ends, so ``active`` and
 ``outstanding_tokens`` always reflect legs in flight. The admin API adds, removes and drains workers here;
 a removed or draining worker finishes its legs but gets no new ones.
+
+KV-aware routing (``[kv_routing]``): the balancer owns the router's ``PrefixIndex``. The proxy records each
+routed prompt's block hashes on the workers it went to (``record``), and ``place_decode`` / ``pick_prefill``
+weigh each candidate's cached prefix against its load with ``policy.CacheCost``.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
-from router.config import CircuitConfig, WorkerConfig
+from router.config import CircuitConfig, KvRoutingConfig, WorkerConfig
 from router.health import CircuitBreaker, Clock
-from router.policy import PoolLoad
+from router.policy import CacheCost, PoolLoad
+from router.prefix_index import PrefixIndex
 
 
 @dataclass(eq=False)
@@ -71,17 +78,42 @@ class Pool:
         self.changed = asyncio.Event()
 
 
+#: Why a decode worker was chosen: it holds a prefix of the prompt (``prefix``); another candidate did, but
+#: this one was cheaper by ``CacheCost`` (``load``); no candidate held any, power of two choices (``balance``).
+PlaceReason = Literal["prefix", "load", "balance"]
+
+
+class Placement(NamedTuple):
+    """The decode worker for a request (None: no candidate below capacity) and its cached prompt tokens."""
+
+    worker: Worker | None
+    cached_tokens: int = 0
+    reason: PlaceReason = "balance"
+
+
 class Balancer:
-    """Picks workers for each leg; ``rng`` and ``clock`` are injectable so tests are deterministic."""
+    """Picks workers for each leg; ``rng`` and ``clock`` are injectable so tests are deterministic.
+
+    ``kv``: KV-aware routing settings; None or ``enabled = false`` routes on load alone (``prefixes`` None).
+    """
 
     def __init__(
-        self, circuit: CircuitConfig, rng: random.Random | None = None, clock: Clock = time.monotonic
+        self,
+        circuit: CircuitConfig,
+        rng: random.Random | None = None,
+        clock: Clock = time.monotonic,
+        kv: KvRoutingConfig | None = None,
     ):
         self._circuit = circuit
         self._rng = rng or random.Random()
         self._clock = clock
         self.prefill = Pool("prefill")
         self.decode = Pool("decode")
+        self.prefixes: PrefixIndex | None = None
+        self._cost = CacheCost(0)
+        if kv is not None and kv.enabled:
+            self.prefixes = PrefixIndex(kv.block_size, kv.max_blocks_per_worker, self._rng)
+            self._cost = CacheCost(kv.load_tokens)
 
     def pool(self, role: str) -> Pool:
         return self.prefill if role == "prefill" else self.decode
@@ -102,24 +134,84 @@ class Balancer:
             raise KeyError(url)
         pool.workers.remove(worker)
         worker.draining = True
+        if self.prefixes is not None:
+            self.prefixes.forget(worker)
         return worker
 
     def all_workers(self) -> list[Worker]:
         return [*self.prefill.workers, *self.decode.workers]
 
-    def pick_prefill(self, exclude: set[Worker] | frozenset[Worker] = frozenset()) -> Worker | None:
-        """Least outstanding prefill tokens; ties go to the fewest active legs, then at random."""
+    def hashes(self, ids: Sequence[int] | None) -> list[int]:
+        """The prompt's block hashes for ``place_decode``, ``pick_prefill`` and ``record``; empty when
+        KV-aware routing is off or the prompt's token ids are unknown (a prompt routed on its length bound)."""
+        if self.prefixes is None or not ids:
+            return []
+        return self.prefixes.hashes(ids)
+
+    def _cached(self, worker: Worker, hashes: Sequence[int]) -> int:
+        if self.prefixes is None or not hashes:
+            return 0
+        return self.prefixes.match(worker, hashes) * self.prefixes.block_size
+
+    def record(self, hashes: Sequence[int], *workers: Worker | None) -> None:
+        """The prompt of ``hashes`` was sent to ``workers``: they will hold its blocks in their prefix caches."""
+        if self.prefixes is not None and hashes:
+            for w in workers:
+                if w is not None:
+                    self.prefixes.record(w, hashes)
+
+    def pick_prefill(
+        self,
+        exclude: set[Worker] | frozenset[Worker] = frozenset(),
+        hashes: Sequence[int] = (),
+        prompt_tokens: int = 0,
+    ) -> Worker | None:
+        """Least expected prefill work (``CacheCost.prefill``: outstanding tokens plus the prompt's uncached
+        tokens there; without hashes, least outstanding tokens); ties go to the fewest active legs, then at
+        random."""
         candidates = [w for w in self.prefill.usable() if w not in exclude]
         if not candidates:
             return None
-        best = min((w.outstanding_tokens, w.active) for w in candidates)
-        return self._rng.choice([w for w in candidates if (w.outstanding_tokens, w.active) == best])
+        keyed = [
+            (self._cost.prefill(prompt_tokens, self._cached(w, hashes), w.outstanding_tokens), w.active, w)
+            for w in candidates
+        ]
+        best = min(k[:2] for k in keyed)
+        return self._rng.choice([w for cost, active, w in keyed if (cost, active) == best])
+
+    def place_decode(
+        self,
+        max_active: int,
+        exclude: set[Worker] | frozenset[Worker] = frozenset(),
+        hashes: Sequence[int] = (),
+        prompt_tokens: int = 0,
+    ) -> Placement:
+        """The decode worker of least ``CacheCost.decode`` among usable workers below ``max_active`` when one
+        of them holds a prefix of the prompt (ties: fewest active, then at random); else ``pick_decode``."""
+        candidates = [w for w in self.decode.usable() if w not in exclude and w.active < max_active]
+        if hashes and len(candidates) > 1:
+            cached = [self._cached(w, hashes) for w in candidates]
+            if any(cached):
+                keyed = [
+                    (self._cost.decode(prompt_tokens, c, w.active), w.active, c, w)
+                    for c, w in zip(cached, candidates, strict=True)
+                ]
+                best = min(k[:2] for k in keyed)
+                _, _, c, w = self._rng.choice([k for k in keyed if k[:2] == best])
+                return Placement(w, c, "prefix" if c else "load")
+        worker = self._two_choices(candidates)
+        held = self._cached(worker, hashes) if worker is not None else 0
+        return Placement(worker, held, "prefix" if held else "balance")
 
     def pick_decode(
         self, max_active: int, exclude: set[Worker] | frozenset[Worker] = frozenset()
     ) -> Worker | None:
         """Power of two choices on active requests among usable workers below ``max_active``."""
-        candidates = [w for w in self.decode.usable() if w not in exclude and w.active < max_active]
+        return self._two_choices(
+            [w for w in self.decode.usable() if w not in exclude and w.active < max_active]
+        )
+
+    def _two_choices(self, candidates: list[Worker]) -> Worker | None:
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         a, b = self._rng.sample(candidates, 2)

@@ -84,6 +84,19 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     queue_timeout_s: float = 30.0
 
 
+class KvRoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """KV-aware routing: send a prompt where its prefix is cached, disaggregate on its uncached tokens."""
+
+    # Off: D by power of two choices, P by least outstanding tokens, the policy on whole prompts.
+    enabled: bool = True
+    # The engines' KV block size (vLLM: --block-size; 16 on GPU, 128 by default on CPU).
+    block_size: int = 16
+    # Blocks remembered per worker, least recently routed dropped first (~130 bytes each).
+    max_blocks_per_worker: int = 65536
+    # Prompt tokens one active request on a decode worker weighs as, in the decode worker's cost.
+    load_tokens: int = 256
+
+
 class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     connect_s: float = 5.0
     # Until the first byte (headers + first chunk) from an upstream leg.
@@ -140,6 +153,7 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     flow: Flow = "pd-push"
     server: ServerConfig = ServerConfig()
     policy: PolicyConfig = PolicyConfig()
+    kv_routing: KvRoutingConfig = KvRoutingConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     retry: RetryConfig = RetryConfig()
     health: HealthConfig = HealthConfig()
@@ -191,6 +205,8 @@ def _check(cfg: RouterConfig) -> None:
         "policy.decode_max_active": cfg.policy.decode_max_active,
         "policy.prefill_saturated_tokens": cfg.policy.prefill_saturated_tokens,
         "policy.queue_timeout_s": cfg.policy.queue_timeout_s,
+        "kv_routing.block_size": cfg.kv_routing.block_size,
+        "kv_routing.max_blocks_per_worker": cfg.kv_routing.max_blocks_per_worker,
         "timeouts.connect_s": cfg.timeouts.connect_s,
         "timeouts.first_byte_s": cfg.timeouts.first_byte_s,
         "timeouts.idle_s": cfg.timeouts.idle_s,
@@ -208,6 +224,8 @@ def _check(cfg: RouterConfig) -> None:
         errors.append("server.shutdown_timeout_s: must be >= 0")
     if cfg.policy.threshold_tokens < 0:
         errors.append("policy.threshold_tokens: must be >= 0")
+    if cfg.kv_routing.load_tokens < 0:
+        errors.append("kv_routing.load_tokens: must be >= 0")
     if not 0.0 <= cfg.policy.decode_headroom_fraction <= 1.0:
         errors.append("policy.decode_headroom_fraction: must be within [0, 1]")
     if not 0.0 <= cfg.retry.jitter <= 1.0:

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from router.balancer import Worker
 from router.health import CircuitState
+from router.prefix_index import PrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
@@ -91,6 +92,24 @@ class RouterMetrics:
             "Requests waiting for a decode slot (sglang-bootstrap: or a prefill slot)",
             registry=r,
         )
+        self.prefix_prompt_tokens = Counter(
+            "pd_router_prefix_lookup_tokens",
+            "KV-aware routing: prompt tokens of the requests placed by their cached prefix, by route",
+            ["route"],
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "pd_router_prefix_hit_tokens",
+            "KV-aware routing: of those, the leading tokens the chosen decode worker holds, by route",
+            ["route"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "pd_router_decode_placements",
+            "KV-aware routing: why each decode worker was chosen (prefix, load, balance)",
+            ["reason"],
+            registry=r,
+        )
         # The request path's children, memoized: ``labels()`` costs ~3 us a call (argument checks and a
         # lock), several times per request; these label sets are few (endpoints, routes, reasons, statuses).
         self.requests_for = _memo(self.requests)
@@ -98,6 +117,19 @@ class RouterMetrics:
         self.ttft_for = _memo(self.ttft)
         self.itl_for = self.itl.series
         self.e2e_for = _memo(self.e2e)
+        self._prompt_for = _memo(self.prefix_prompt_tokens)
+        self._hit_for = _memo(self.prefix_hit_tokens)
+        self._placed_for = _memo(self.placements)
+
+    def placed(self, route: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """One request placed by KV-aware routing: its prompt, the chosen D's cached prefix, and why."""
+        self._prompt_for(route).inc(prompt_tokens)
+        self._hit_for(route).inc(cached_tokens)
+        self._placed_for(reason).inc()
+
+    def watch_prefixes(self, index: PrefixIndex) -> None:
+        """Export the routing table's size and memory, read at scrape time."""
+        self.registry.register(_PrefixCollector(index))
 
     def watch_workers(self, workers: Callable[[], Iterable[Worker]]) -> None:
         """Export per-worker load and state, read from the balancer at scrape time (no per-request cost)."""
@@ -189,3 +221,20 @@ class _WorkerCollector(Collector):
             circuit.add_metric(key, float(w.circuit.state is CircuitState.OPEN))
             draining.add_metric(key, float(w.draining))
         yield from (in_flight, tokens, healthy, circuit, draining)
+
+
+class _PrefixCollector(Collector):
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "pd_router_prefix_index_blocks",
+            "KV-aware routing: block hashes held, all workers together",
+            value=self._index.blocks(),
+        )
+        yield GaugeMetricFamily(
+            "pd_router_prefix_index_bytes",
+            "KV-aware routing: memory the block hashes hold",
+            value=self._index.memory_bytes(),
+        )

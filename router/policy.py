@@ -2,8 +2,9 @@
 
 A policy is any object with ``decide(PolicyInput) -> Decision``; the router calls it once per request (in the
 router process, after tokenizing) with the prompt length and a snapshot of both pools' loads. Policies are
-pure functions of that input, so their boundaries are easy to test and new ones (prefix-cache aware,
-queue-time aware) drop in without touching the request path.
+pure functions of that input, so their boundaries are easy to test and new ones (queue-time aware) drop in
+without touching the request path. With KV-aware routing (``[kv_routing]``) the decode worker is chosen
+first (``CacheCost``, in ``Balancer.place_decode``) and the policy decides on the tokens it does not hold.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ class PolicyInput(msgspec.Struct, frozen=True):
     decode: PoolLoad
     # False for a request the engine runs as several sequences (``Parsed.fan_out``): it cannot go P->D.
     one_sequence: bool = True
+    # Leading prompt tokens the chosen decode worker holds in its prefix cache (KV-aware routing; else 0).
+    cached_tokens: int = 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
 
 
 class Decision(msgspec.Struct, frozen=True):
     route: Route
-    # Why, for metrics and logs: short | long | disagg_only | fan_out | prefill_saturated | no_prefill |
-    # decode_saturated | no_decode.
+    # Why, for metrics and logs: short | cached | long | disagg_only | fan_out | prefill_saturated |
+    # no_prefill | decode_saturated | no_decode.
     reason: str
 
 
@@ -61,6 +68,8 @@ class ThresholdPolicy:
     - Several sequences (``n`` > 1, a prompt list, beam search): LOCAL. The P/D legs carry one transfer id;
       vLLM would give each sequence its own engine request with that same id, so their KV would collide.
     - Prompt shorter than ``threshold_tokens``: LOCAL (a short prefill is cheap to piggyback on decode).
+    - Uncached part (prompt less the chosen D's cached prefix) shorter than ``threshold_tokens``: LOCAL,
+      reason ``cached`` (D computes the rest itself; shipping the whole prompt's KV from P would cost more).
     - No healthy P: LOCAL (D prefills itself rather than failing).
     - Every P at ``prefill_saturated_tokens`` and the least loaded D below ``decode_headroom_fraction`` of its
       capacity: LOCAL (D has spare capacity, queueing behind P would only add TTFT).
@@ -88,11 +97,36 @@ class ThresholdPolicy:
             return Decision(Route.LOCAL, "fan_out")
         if inp.prompt_tokens < cfg.threshold_tokens:
             return Decision(Route.LOCAL, "short")
+        if inp.uncached_tokens < cfg.threshold_tokens:
+            return Decision(Route.LOCAL, "cached")
         if inp.prefill.workers == 0:
             return Decision(Route.LOCAL, "no_prefill")
         if p_saturated and inp.decode.min_active < cfg.decode_headroom_fraction * cfg.decode_max_active:
             return Decision(Route.LOCAL, "prefill_saturated")
         return Decision(Route.DISAGG, "long")
+
+
+class CacheCost(msgspec.Struct, frozen=True):
+    """What sending a prompt to a worker is expected to cost, in prompt tokens of prefill work (lower wins).
+
+    Used by ``Balancer.place_decode`` / ``place_prefill`` (router process, once per request) when KV-aware
+    routing is on and some candidate holds a prefix of the prompt.
+
+    - decode worker: ``uncached + load_tokens * active``. The tokens it does not hold must be prefilled (by P
+      and shipped, or by D itself), and every request already running there slows this one's decode steps;
+      ``load_tokens`` says how many prompt tokens one running request weighs as
+      (``kv_routing.load_tokens``). With 0, the longest match always wins; large values approach least-loaded.
+    - prefill worker: ``outstanding + uncached``: the prefill work queued before this prompt is done there
+      (its leg's ``outstanding_tokens``), so a P that holds the prefix wins unless it is that much busier.
+    """
+
+    load_tokens: int
+
+    def decode(self, prompt_tokens: int, cached_tokens: int, active: int) -> int:
+        return max(0, prompt_tokens - cached_tokens) + self.load_tokens * active
+
+    def prefill(self, prompt_tokens: int, cached_tokens: int, outstanding_tokens: int) -> int:
+        return outstanding_tokens + max(0, prompt_tokens - cached_tokens)
 
 
 def make_policy(cfg: PolicyConfig, decode_prefills: bool) -> Policy:

@@ -11,6 +11,9 @@ events to the client, ``resume.py`` continues a stream whose decode worker broke
 - sglang-bootstrap has no route to D alone, since SGLang's decode servers cannot prefill
   (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> 503, every P
   saturated -> wait, then 429), requests of several sequences get 400, and resumes go P->D too.
+- KV-aware routing (``[kv_routing]``): the decode worker is placed first, by its cached prefix of the prompt
+  against its load (``Balancer.place_decode``), and the policy decides on the tokens it does not hold; the
+  prompt is then recorded on the workers it went to.
 - Route: the policy says LOCAL (D only, the body forwarded as parsed: the client's, less any transfer fields,
   see ``requests.parse``) or DISAGG (P and D legs per flow, with the router's own transfer fields).
 - Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
@@ -29,7 +32,7 @@ import logging
 import random
 import time
 
-from router.balancer import Balancer, Worker
+from router.balancer import Balancer, Placement, Worker
 from router.config import RouterConfig
 from router.downstream import Downstream, Reply, json_reply
 from router.errors import ApiError, bad_request, overloaded
@@ -96,10 +99,15 @@ class Proxy:
         self.pending += 1
         start = time.monotonic()
         try:
-            decision = await self._decide(parsed, path)
+            hashes = self.balancer.hashes(parsed.prompt_ids)
+            decision, placed = await self._decide(parsed, path, hashes)
             self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
+            if hashes:
+                self.metrics.placed(
+                    decision.route.value, placed.reason, parsed.prompt_tokens, placed.cached_tokens
+                )
             async with asyncio.timeout(self.cfg.timeouts.request_s):
-                reply = await self._attempts(client, parsed, path, decision.route, start)
+                reply = await self._attempts(client, parsed, path, decision.route, start, placed, hashes)
             self.metrics.e2e_for(decision.route.value).observe(time.monotonic() - start)
             return reply
         except asyncio.CancelledError:  # the server cancels the handler when the client disconnects
@@ -114,22 +122,29 @@ class Proxy:
         finally:
             self.pending -= 1
 
-    async def _decide(self, parsed: Parsed, path: str) -> Decision:
-        """The policy's route; while it says WAIT, wait for a slot in the pool it names (bounded by
-        queue_timeout_s, then 429); REJECT is a 503."""
+    async def _decide(self, parsed: Parsed, path: str, hashes: list[int]) -> tuple[Decision, Placement]:
+        """The policy's route and the decode worker placed for it (its first attempt's); while the policy says
+        WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); REJECT is a 503."""
         deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
         retry_after = self.cfg.server.retry_after_s
         self.metrics.queued.inc()
         try:
             while True:
                 b = self.balancer
+                placed = b.place_decode(
+                    self.cfg.policy.decode_max_active, frozenset(), hashes, parsed.prompt_tokens
+                )
                 decision = self.policy.decide(
                     PolicyInput(
-                        parsed.prompt_tokens, b.prefill.load(), b.decode.load(), parsed.fan_out is None
+                        parsed.prompt_tokens,
+                        b.prefill.load(),
+                        b.decode.load(),
+                        parsed.fan_out is None,
+                        placed.cached_tokens,
                     )
                 )
                 if decision.route is Route.LOCAL or decision.route is Route.DISAGG:
-                    return decision
+                    return decision, placed
                 role = _POOL_OF[decision.reason]
                 if decision.route is Route.REJECT:
                     self.metrics.requests_for(path, "rejected", decision.reason).inc()
@@ -151,22 +166,36 @@ class Proxy:
         return base * self.rng.uniform(1 - r.jitter, 1 + r.jitter)
 
     async def _attempts(
-        self, client: Downstream, parsed: Parsed, path: str, route: Route, start: float
+        self,
+        client: Downstream,
+        parsed: Parsed,
+        path: str,
+        route: Route,
+        start: float,
+        placed: Placement,
+        hashes: list[int],
     ) -> Reply | None:
+        """``placed``: the first attempt's decode worker; ``hashes``: the prompt's block hashes (KV-aware
+        routing; empty when off), by which retries place theirs and the workers used are recorded."""
         failed: set[Worker] = set()
         last: UpstreamError | None = None
         missing = "decode"  # which pool ran out of workers, when one did before any attempt
+        b = self.balancer
         for attempt in range(self.cfg.retry.max_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
                 await asyncio.sleep(self._backoff(attempt - 1))
-            decode = self.balancer.pick_decode(self.cfg.policy.decode_max_active, failed)
+                placed = b.place_decode(
+                    self.cfg.policy.decode_max_active, failed, hashes, parsed.prompt_tokens
+                )
+            decode = placed.worker
             if decode is None:
                 break
-            prefill = self.balancer.pick_prefill(failed) if route is Route.DISAGG else None
+            prefill = b.pick_prefill(failed, hashes, parsed.prompt_tokens) if route is Route.DISAGG else None
             if prefill is None and route is Route.DISAGG and not self.cfg.decode_prefills():
                 missing = "prefill"
                 break
+            b.record(hashes, decode, prefill)
             stamps = Stamps(start) if prefill is not None else None
             ending = "ok"
             try:

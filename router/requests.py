@@ -67,6 +67,9 @@ class Parsed(msgspec.Struct):
     # A single choice from a text prompt: a broken decode stream can be continued on another worker.
     resumable: bool
     recount: Callable[[], Awaitable[int]] | None = None
+    # The token ids the engine will see, for KV-aware routing: one prompt counted exactly (None for a prompt
+    # list, or a prompt routed on its length bound, whose ids were never taken).
+    prompt_ids: list[int] | None = None
     dropped: frozenset[str] = frozenset()
     # The parameter that makes the engine run several sequences (``n``, a prompt list, ``use_beam_search``),
     # None for one. P/D legs carry one transfer id, which several sequences cannot share (docs/router.md).
@@ -178,10 +181,10 @@ def _fits(longest: int, max_tokens: int | None, max_model_len: int) -> bool:
     return longest < max_model_len if max_tokens is None else longest + max_tokens <= max_model_len
 
 
-async def _lengths(
+async def _ids(
     prompts: Sequence[str | list[int]], tokenizer: PromptTokenizer, special: bool
-) -> list[int]:
-    return [await tokenizer.count_async(p, special) if isinstance(p, str) else len(p) for p in prompts]
+) -> list[list[int]]:
+    return [await tokenizer.ids_async(p, special) if isinstance(p, str) else p for p in prompts]
 
 
 def _bounds(
@@ -260,7 +263,11 @@ async def parse(
         resumable = req.n == 1
     fan_out = _fan_out(req.n, len(prompts), body)
 
-    def parsed(prompt_tokens: int, recount: Callable[[], Awaitable[int]] | None = None) -> Parsed:
+    def parsed(
+        prompt_tokens: int,
+        recount: Callable[[], Awaitable[int]] | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> Parsed:
         resumable_stream = resumable and req.stream
         return Parsed(
             kind,
@@ -271,6 +278,7 @@ async def parse(
             req.stream,
             resumable_stream,
             recount,
+            prompt_ids,
             dropped,
             fan_out,
         )
@@ -281,11 +289,12 @@ async def parse(
 
         async def recount() -> int:
             if not counted:
-                counted.append(sum(await _lengths(prompts, tokenizer, special)))
+                counted.append(sum(map(len, await _ids(prompts, tokenizer, special))))
             return counted[0]
 
         return parsed(sum(bounds), recount)
-    lengths = await _lengths(prompts, tokenizer, special)
+    ids = await _ids(prompts, tokenizer, special)
+    lengths = [len(i) for i in ids]
     longest = max(lengths)
     if not _fits(longest, max_tokens, max_model_len):
         raise bad_request(
@@ -294,4 +303,4 @@ async def parse(
             "prompt or max_tokens.",
             "input_tokens",
         )
-    return parsed(sum(lengths))
+    return parsed(sum(lengths), prompt_ids=ids[0] if len(ids) == 1 else None)

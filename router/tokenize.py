@@ -1,7 +1,7 @@
 """Count prompt tokens the way the engines will: the model's HF ``tokenizers`` file and its chat template.
 
-Runs in the router process for every request (the disaggregation policy needs the prompt length, and the
-context-length check needs it before anything is sent upstream). ``transformers`` is deliberately not used:
+Runs in the router process for every request (the disaggregation policy needs the prompt length, the
+context-length check needs it before anything is sent upstream, and KV-aware routing hashes the ids). ``transformers`` is deliberately not used:
 it is heavy to import; the chat template is rendered with jinja2 in a sandbox (templates come with model
 files and must not run arbitrary code), with the same options transformers uses (trim_blocks, lstrip_blocks,
 loop controls). Like vLLM, completions add the tokenizer's special tokens and chat prompts do not (the
@@ -111,9 +111,14 @@ class PromptTokenizer:
             name: _special(cfg, name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
 
-    def count(self, text: str, add_special_tokens: bool = True) -> int:
+    def ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids the engine will see (KV-aware routing hashes them; their count is the length)."""
         # encode_batch_fast skips offset tracking: ~3x less work than encode() for the same ids.
-        return len(self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+        ids: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return ids
+
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        return len(self.ids(text, add_special_tokens))
 
     def upper_bound(self, text: str, add_special_tokens: bool = True) -> int | None:
         """At least ``count(text)``, from the text's UTF-8 length alone, or None for tokenizers without a
@@ -124,10 +129,10 @@ class PromptTokenizer:
             return None
         return self._bound.of(len(text.encode()), add_special_tokens)
 
-    async def count_async(self, text: str, add_special_tokens: bool = True) -> int:
+    async def ids_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= _INLINE_CHARS:
-            return self.count(text, add_special_tokens)
-        return await asyncio.to_thread(self.count, text, add_special_tokens)
+            return self.ids(text, add_special_tokens)
+        return await asyncio.to_thread(self.ids, text, add_special_tokens)
 
     def render_chat(
         self,

@@ -119,6 +119,9 @@ async def make_cluster(tokenizer_dir: Path, router_server: type[TestServer]) -> 
             "retry": {"backoff_base_s": 0.001, "backoff_max_s": 0.01},
             "health": {"interval_s": 0.2, "timeout_s": 5.0},
             "timeouts": {"first_byte_s": 5.0, "idle_s": 5.0, "request_s": 20.0},
+            # Tests send the same prompts again and again: KV-aware routing would send the repeats to D alone.
+            # Its own tests (test_kv_routing.py) turn it on with kv_routing__enabled=True.
+            "kv_routing": {"enabled": False},
         }
         for key, value in overrides.items():
             section, _, name = key.partition("__")

@@ -110,16 +110,16 @@ def test_pipelines_that_cannot_be_bounded_get_no_bound() -> None:
 def bounded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Give the unit tests' word-level tokenizer a (true) bound, and record every exact count."""
     counted: list[str] = []
-    count = PromptTokenizer.count
+    ids = PromptTokenizer.ids
 
-    def spy(self: PromptTokenizer, text: str, add_special_tokens: bool = True) -> int:
+    def spy(self: PromptTokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
         counted.append(text)
-        return count(self, text, add_special_tokens)
+        return ids(self, text, add_special_tokens)
 
     monkeypatch.setattr(
         PromptTokenizer, "upper_bound", lambda self, text, special=True: len(text.encode()) + 1
     )
-    monkeypatch.setattr(PromptTokenizer, "count", spy)
+    monkeypatch.setattr(PromptTokenizer, "ids", spy)
     return counted
 
 
