@@ -43,7 +43,7 @@ import msgspec
 import numpy as np
 
 from . import hugepages
-from .base import BlockCopy, MemoryRegion
+from .base import BlockCopy, MemoryRegion, check_reachable
 from .cma_syscalls import CmaError, Iovecs, allow_writers, build_iovecs, call_bounds, errno_error, vm_call
 from .futures import fail, failed, running
 from .host import boot_id, pid_namespace
@@ -129,6 +129,7 @@ class CmaTransport(QueuedTransport[_Peer]):
 
     # -- called from engine threads -------------------------------------------------------------------------
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        check_reachable(self.name, self.memory_types, regions)  # process_vm_writev moves host memory only
         allow_writers()
         self._regions.add(regions)
         if self.config.huge_pages:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
+from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport, check_reachable
 
 _DESCRIPTOR = struct.Struct(">Q")
 
@@ -62,6 +62,7 @@ class LoopbackTransport(Transport):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-loopback")
 
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        check_reachable(self.name, self.memory_types, regions)  # memmove of host memory
         with self._lock:
             if self._key is not None:
                 self._fabric.remove(self._key)

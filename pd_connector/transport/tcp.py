@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .base import BlockCopy, MemoryRegion, Transport
+from .base import BlockCopy, MemoryRegion, Transport, check_reachable
 from .futures import fail, failed, running
 from .host import advertised_host
 from .loop_thread import LoopThread
@@ -62,6 +62,7 @@ class TcpTransport(Transport):
 
     # -- called from engine threads -------------------------------------------------------------------------
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        check_reachable(self.name, self.memory_types, regions)  # sockets read and write host memory only
         self._require_open()
         self._regions.add(regions)
         views = {r.region_id: host_view(r.address, r.length) for r in regions}

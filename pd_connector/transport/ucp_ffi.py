@@ -30,6 +30,9 @@ _UCS_ERR_LAST = -100
 _MEM_MAP_FIELD_ADDRESS = 1 << 0
 _MEM_MAP_FIELD_LENGTH = 1 << 1
 _MEM_MAP_FIELD_PROT = 1 << 3
+_MEM_MAP_FIELD_MEMORY_TYPE = 1 << 4
+#: ``ucs_memory_type_t`` (ucs/memory/memory_type.h) of the region memory types UCX registers.
+_UCS_MEMORY_TYPES = {"host": 0, "cuda": 1}
 _PROT_LOCAL_READ = 1 << 0
 _PROT_LOCAL_WRITE = 1 << 1
 _PROT_REMOTE_READ = 1 << 8
@@ -127,14 +130,27 @@ def _status_of(ptr: int | None) -> int | None:
     return None
 
 
-def mem_map(context: int, address: int, length: int) -> int:
-    """Register ``length`` bytes at ``address`` for local and remote read/write; returns the memh."""
+def memory_type(memory: str) -> int | None:
+    """The ``ucs_memory_type_t`` to register a region's memory as: None for host memory (UCX detects it,
+    as it always did), ``UCS_MEMORY_TYPE_CUDA`` for device memory (named, so a UCX built without CUDA
+    fails the registration instead of treating a device pointer as host memory)."""
+    if memory not in _UCS_MEMORY_TYPES:
+        raise ValueError(f"UCX registers {sorted(_UCS_MEMORY_TYPES)} memory, not {memory!r}")
+    return None if memory == "host" else _UCS_MEMORY_TYPES[memory]
+
+
+def mem_map(context: int, address: int, length: int, mem_type: int | None = None) -> int:
+    """Register ``length`` bytes at ``address`` for local and remote read/write; returns the memh.
+    ``mem_type``: a ``ucs_memory_type_t`` (``memory_type``), None to let UCX detect it."""
     params = _MemMapParams(
         field_mask=_MEM_MAP_FIELD_ADDRESS | _MEM_MAP_FIELD_LENGTH | _MEM_MAP_FIELD_PROT,
         address=address,
         length=length,
         prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ | _PROT_REMOTE_WRITE,
     )
+    if mem_type is not None:
+        params.field_mask |= _MEM_MAP_FIELD_MEMORY_TYPE
+        params.memory_type = mem_type
     memh = ctypes.c_void_p()
     _check("ucp_mem_map", _lib().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh)))
     assert memh.value is not None

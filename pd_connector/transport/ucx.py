@@ -47,7 +47,7 @@ import msgspec
 import numpy as np
 
 from . import hugepages, ucp_ffi
-from .base import BlockCopy, MemoryRegion
+from .base import CUDA, HOST, BlockCopy, MemoryRegion, check_reachable
 from .coalesce import SMALL_COPIES
 from .futures import fail, failed, running
 from .host import host_id
@@ -180,6 +180,9 @@ class UcxTransport(QueuedTransport[_Peer]):
     """``Transport`` over UCX RMA; one instance per engine worker process."""
 
     name = "ucx"
+    #: Device memory too: ucxx's UCX is built with CUDA (cuda_ipc on one host, GPUDirect RDMA across hosts).
+    #: Not measured on a GPU here (docs/architecture.md); a UCX without CUDA fails ``register`` with UCX's error.
+    memory_types = frozenset({HOST, CUDA})
 
     def __init__(self, config: UcxConfig | None = None) -> None:
         from ucxx._lib import libucxx as ucx_api
@@ -203,6 +206,7 @@ class UcxTransport(QueuedTransport[_Peer]):
 
     # -- called from engine threads -------------------------------------------------------------------------
     def register(self, regions: Sequence[MemoryRegion]) -> bytes:
+        check_reachable(self.name, self.memory_types, regions)
         self._regions.add(regions)
         if self.config.huge_pages:
             # here, not on the I/O thread: collapsing GBs takes seconds
@@ -298,7 +302,7 @@ class UcxTransport(QueuedTransport[_Peer]):
         mapped: list[int] = []
         try:
             for region in regions:
-                memh = ucp_ffi.mem_map(ctx, region.address, region.length)
+                memh = ucp_ffi.mem_map(ctx, region.address, region.length, ucp_ffi.memory_type(region.memory))
                 self._memh[region.region_id] = memh
                 mapped.append(region.region_id)
                 self._rkeys_packed[region.region_id] = ucp_ffi.rkey_pack(ctx, memh)
