@@ -24,7 +24,7 @@ from pd_connector.transfer.context import EngineContext
 from pd_connector.transfer.receiver import Receiver
 from pd_connector.transfer.sender import Sender
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
-from pd_connector.transport.base import Transport
+from pd_connector.transport.base import HOST, MemoryType, Transport
 from pd_connector.transport.host import advertised_host
 from pd_connector.trust import PeerPolicy
 
@@ -33,7 +33,8 @@ class TransferEngine:
     """Moves KV blocks of individual requests from P to D over ``transport``, driven by the control plane.
 
     ``buffers``: the local KV buffers as ``(address, length_bytes)``, ordered as ``KVLayout.regions``
-    expects; the engine registers them with ``transport``. The engine owns ``transport`` from here on: it
+    expects, in ``memory`` (host, or CUDA for a transport that reaches it); the engine registers them with
+    ``transport``. The engine owns ``transport`` from here on: it
     closes it in ``close`` or when construction fails (bad buffers, listener port taken).
     """
 
@@ -43,6 +44,7 @@ class TransferEngine:
         layout: KVLayout,
         buffers: Sequence[tuple[int, int]],
         transport: Transport,
+        memory: MemoryType = HOST,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -52,13 +54,13 @@ class TransferEngine:
             )
             if config.listen_port is not None:
                 policy.check_listener("the side channel", config.listen_host)
-            memory = transport.register(layout.regions(buffers))
+            descriptor = transport.register(layout.regions(buffers, memory))
         except BaseException:
             transport.close()
             raise
         self._ctx = EngineContext(config, layout, transport, policy)
         self._sender = Sender(self._ctx)
-        self._receiver = Receiver(self._ctx, memory)
+        self._receiver = Receiver(self._ctx, descriptor)
         self._recv_ids: set[str] = set()  # expected and not yet polled; guarded by the context's lock
         self._closed = False
         self._server: asyncio.Server | None = None
