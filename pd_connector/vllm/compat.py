@@ -6,7 +6,7 @@ Who calls what:
 - ``PDConnector.__init__`` (every process that builds the connector: EngineCore and workers):
   ``check_version`` and ``require("PDConnector", CONNECTOR_SYMBOLS)``, ``check_kv_cache`` (models whose
   cache it cannot move), then ``tp_rank``;
-  ``WorkerSide.register_kv_caches``: ``cpu_kv_layout`` (the CPU KV cache layout).
+  ``WorkerSide.register_kv_caches``: ``kv_layout`` (the KV cache layout, any device).
 - ``plugin.register`` (the ``vllm.general_plugins`` entry point, every vLLM process): ``register_connector``,
   which writes the connector factory's private registry.
 - ``scheduler_plugins.vllm.SLOScheduler`` (``--scheduler-cls``, EngineCore): ``require_scheduler`` once
@@ -16,7 +16,7 @@ Who calls what:
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
 Why: none of these is promised to stay by vLLM (its connector's and scheduler's behaviour, how a fully
-loaded request is set back one token, the CPU cache layout, private fields). A version outside ``SUPPORTED``
+loaded request is set back one token, the KV cache layout, private fields). A version outside ``SUPPORTED``
 is refused at start, and a symbol missing from the running vLLM fails ``require`` at start with one message
 naming every missing symbol and the version this was proven on, rather than running into wrong tokens or an
 ``AttributeError`` mid-request. Importing this module does not import vLLM (the launcher imports it before
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.engine_symbols import has_path, missing
-from pd_connector.layout import KVLayout
+from pd_connector.kv_tensors import KVTensors, describe
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,7 @@ def require(user: str, symbols: Iterable[str]) -> None:
         _raise_missing(user, absent)
 
 
-# ---- connector: TP rank, CPU cache layout, factory registration -------------------------------------------
+# ---- connector: TP rank, cache layout, factory registration -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,7 @@ class TPRank:
     rank: int = 0
     size: int = 1
     total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
+    mla: bool = False  # the cache is MLA's latent: one "head" every rank holds whole
 
 
 def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
@@ -189,49 +190,32 @@ def tp_rank(vllm_config: VllmConfig) -> TPRank:
         )
     size = parallel.tensor_parallel_size
     rank = get_tensor_model_parallel_rank() if size > 1 else 0
-    return TPRank(rank, size, vllm_config.model_config.get_total_num_kv_heads())
+    model = vllm_config.model_config
+    return TPRank(rank, size, model.get_total_num_kv_heads(), bool(model.use_mla))
 
 
-def cpu_kv_layout(
-    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None
-) -> tuple[KVLayout, list[tuple[int, int]]]:
-    """Describe vLLM's CPU KV cache ``[blocks, kv_heads, block_size, head_k + head_v]`` (one packed buffer
-    per layer, heads-major blocks; ``kv_heads`` this TP rank's share) and list the buffers; other layouts
-    are refused with a clear error. The layout is the CPU attention backend's, not an interface: it is what
-    the worker side registers with the transfer engine."""
-    if not kv_caches:
-        raise ValueError("PDConnector needs at least one KV cache layer")
-    shapes = {tuple(t.shape) for t in kv_caches.values()}
-    dtypes = {t.dtype for t in kv_caches.values()}
-    if len(shapes) != 1 or len(dtypes) != 1:
-        raise ValueError(f"PDConnector needs equal layers, got shapes {shapes} and dtypes {dtypes}")
-    shape = shapes.pop()
-    for name, tensor in kv_caches.items():
-        if (
-            tensor.device.type != "cpu"
-            or len(shape) != 4
-            or shape[0] != num_blocks
-            or not tensor.is_contiguous()
-        ):
-            raise ValueError(
-                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not the CPU layout "
-                f"[{num_blocks} blocks, kv_heads, block_size, head_k + head_v] PDConnector supports"
-            )
+def kv_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None) -> KVTensors:
+    """Describe this worker's KV cache from vLLM's per-layer views and list its buffers (``kv_tensors``).
+
+    vLLM 0.32 hands every layer's cache, on every device and attention backend, as a ``[blocks, heads,
+    tokens, C]`` view whose strides follow its ``KVCacheLayout`` (NHD or HND, layers outermost or inside each
+    block): ``C`` is K then V of one head and token, or MLA's latent (one "head"). Other shapes (kernel
+    blocks smaller than the manager's, an odd ``C``) are refused with a clear error.
+    """
     tp = tp or TPRank()
-    layout = KVLayout(
-        num_layers=len(kv_caches),
-        block_tokens=shape[2],
-        num_kv_heads=shape[1],
-        head_dim=shape[3] // 2,
-        dtype=str(dtypes.pop()).removeprefix("torch."),
-        kv_split=False,
-        token_major=False,
-        tp_size=tp.size,
-        tp_rank=tp.rank,
-        total_kv_heads=tp.total_kv_heads,
-    )
-    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv_caches.values()]
-    return layout, buffers
+    tensors = list(kv_caches.values())
+    for name, tensor in kv_caches.items():
+        if tensor.dim() != 4 or tensor.shape[0] != num_blocks or (not tp.mla and tensor.shape[3] % 2):
+            raise ValueError(
+                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not vLLM's "
+                f"[{num_blocks} blocks, heads, block_size, {'latent' if tp.mla else 'head_k + head_v'}] "
+                "PDConnector supports"
+            )
+    if tp.mla:
+        views, axes = [t[:, 0] for t in tensors], "btd"
+    else:
+        views, axes = [t.unflatten(-1, (2, t.shape[-1] // 2)) for t in tensors], "bhtkd"
+    return describe(views, axes, tp.size, tp.rank, 1 if tp.mla else tp.total_kv_heads)
 
 
 def register_connector(name: str, module_path: str, class_name: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pd_connector.settings import ConnectorSettings, SettingError, parse
 from pd_connector.transfer import TransferConfig
@@ -41,6 +41,10 @@ class PDConnectorConfig(ConnectorSettings):
     data_advertise_host: str = ""
     #: D: how long a request may wait for its KV before ``kv_load_failure_policy`` applies.
     load_timeout_s: float = 30.0
+    #: Both: how the KV cache reaches the transport. "auto": registered as it is where the transport reaches its
+    #: memory (host; CUDA with UCX), staged through pinned host mirrors where not (CUDA with tcp or cma).
+    #: "always": staged even then (to compare, or to keep device memory away from UCX).
+    kv_staging: Literal["auto", "always"] = "auto"
     #: Append one JSON line per transfer (request id, transfer id, when each stage happened) to this file
     #: ("" = off); every worker of the engine appends to it (docs/architecture.md, First-token trace).
     trace_path: str = ""
@@ -53,6 +57,8 @@ class PDConnectorConfig(ConnectorSettings):
         super().__post_init__()
         if not 0 <= self.side_channel_port <= 65535:
             raise SettingError("side_channel_port", f"out of range: {self.side_channel_port}")
+        if self.kv_staging not in ("auto", "always"):
+            raise SettingError("kv_staging", f"must be 'auto' or 'always', got {self.kv_staging!r}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PDConnectorConfig:

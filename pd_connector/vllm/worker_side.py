@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from pd_connector.layout import sends_heads
+from pd_connector.staging import HostStaging, byte_views, plan
 from pd_connector.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
+from pd_connector.transport.base import HOST
 from pd_connector.transport.factory import create_transport
-from pd_connector.vllm.compat import TPRank, cpu_kv_layout
+from pd_connector.vllm.compat import TPRank, kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
@@ -101,24 +103,36 @@ class WorkerSide:
         self._unstarted: list[str] = []
         self._failed_blocks: set[int] = set()
         self._trace = TraceWriter(config.trace_path) if config.trace_path else None
+        self._staging: HostStaging | None = None  # a device cache behind a host-only transport
 
     # ---- start-up ----
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        layout, buffers = cpu_kv_layout(kv_caches, self._num_blocks, self._tp)
+        """Describe the cache (host or CUDA, any of vLLM's layouts, MLA's latent) and hand it to a transfer
+        engine: as it is when the transport reaches its memory (host; CUDA with UCX), else through pinned
+        host mirrors (``staging``: a CUDA cache with tcp or cma)."""
+        kv = kv_layout(kv_caches, self._num_blocks, self._tp)
+        layout, buffers, memory = kv.layout, kv.buffers, kv.memory
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._sends = self._producer and sends_heads(layout)
         transport = create_transport(self._config.transport_config())
+        path = "staged" if self._config.kv_staging == "always" else plan(kv.memory, transport.memory_types)
+        if path == "staged":
+            self._staging = HostStaging(layout, byte_views(list(kv_caches.values()), kv.buffers))
+            buffers, memory = self._staging.host_buffers(), HOST
         self._engine = TransferEngine(
             self._config.transfer_config(self._engine_id, listen=self._producer, tp_rank=self._tp.rank),
             layout,
             buffers,
             transport,
+            memory,
         )
         logger.info(
-            "PDConnector worker: %s, data plane %s, side channel %s, layout %s%s",
+            "PDConnector worker: %s, data plane %s (%s %s memory), side channel %s, layout %s%s",
             " and ".join(r for r, on in (("producer", self._producer), ("consumer", self._consumer)) if on),
             transport.name,
+            path,
+            kv.memory,
             self._engine.address,
             layout,
             "" if self._sends or not self._producer else " (its heads are sent by a lower TP rank)",
@@ -172,6 +186,8 @@ class WorkerSide:
             end = -(-spec.end_token // self._block_size)
             if spec.corrupt and self._tp.rank == self._tp.size - 1:  # one rank: every rank's bytes must count
                 kv_layer[spec.block_ids[first:end]] = 0
+            if self._staging is not None:  # the transport reads the host mirror: fill it first
+                self._staging.to_host(layer, spec.block_ids[first:end])
             self._eng.push_layer(spec.transfer_id, layer, first, end)
 
     def wait_for_save(self, meta: PDConnectorMetadata) -> None:
@@ -247,6 +263,8 @@ class WorkerSide:
                     if req_id is None:
                         continue
                     recving.add(req_id)
+                    if self._staging is not None and result.state is TransferState.DONE:
+                        self._staging.to_device(self._loads[req_id].blocks)  # before vLLM reads them
                     # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
                     # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
                     if result.state is not TransferState.DONE and not self._loads[req_id].aborted:

@@ -17,9 +17,10 @@ import torch
 from pd_connector.timeline import RECV_STAGES, SEND_STAGES
 from pd_connector.trace import read_trace
 from pd_connector.transfer import TransferState
+from pd_connector.vllm.compat import kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
-from pd_connector.vllm.worker_side import WorkerSide, cpu_kv_layout
+from pd_connector.vllm.worker_side import WorkerSide
 from tests.polling import wait_until
 
 BS = 32
@@ -105,6 +106,24 @@ def test_chunked_prefill_lands_block_for_block(make_pair: Callable[..., Pair]) -
     pair.wait(lambda: pair.sent == {"p1"})
     stats = pair.p.stats()
     assert stats is not None and stats.data["transfers_sent"] == 1 and stats.data["bytes_sent"] > 0
+
+
+def test_staged_caches_land_block_for_block_through_host_mirrors(make_pair: Callable[..., Pair]) -> None:
+    """``kv_staging = always``: the transport moves host mirrors, P fills its mirror per pushed layer and D
+    copies a finished load out of its mirror: the path a CUDA cache takes with tcp or cma, same code."""
+    pair = make_pair(
+        p=PDConnectorConfig(lease_s=5, kv_staging="always"),
+        d=PDConnectorConfig(load_timeout_s=5, kv_staging="always"),
+    )
+    p_blocks, d_blocks = [4, 5, 6], [11, 2, 3]
+    pair.p_step([SendSpec("p1", "T", p_blocks, 0, 70, 70)], [])
+    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
+    pair.d_step([RecvSpec("d1", "T", pair.addr, d_blocks, start_block=0, num_tokens=70)])
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
+    assert pair.failed == set() and equal(pair, p_blocks, d_blocks)
+    stats = pair.p.stats()
+    block_bytes = 2 * BS * 128 * 4  # heads x tokens x (K|V) float32
+    assert stats is not None and stats.data["bytes_sent"] == LAYERS * len(p_blocks) * block_bytes
 
 
 def test_standard_flow_decode_arrives_after_prefill(make_pair: Callable[..., Pair]) -> None:
@@ -213,9 +232,11 @@ def test_corrupt_flag_zeroes_what_d_receives(make_pair: Callable[..., Pair]) -> 
 
 
 def test_layout_check_and_config_validation() -> None:
-    with pytest.raises(ValueError, match="CPU layout"):
-        cpu_kv_layout({"l": torch.zeros(2, NUM_BLOCKS, BS, 128)}, NUM_BLOCKS)
-    layout, buffers = cpu_kv_layout(kv(False), NUM_BLOCKS)
+    with pytest.raises(ValueError, match="is not vLLM's"):
+        kv_layout({"l": torch.zeros(2, NUM_BLOCKS, BS, 128)}, NUM_BLOCKS)
+    described = kv_layout(kv(False), NUM_BLOCKS)
+    layout, buffers = described.layout, described.buffers
+    assert described.memory == "host" and not layout.token_major and not layout.kv_split
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_tokens) == (
         LAYERS,
         2,
