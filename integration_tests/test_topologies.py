@@ -8,6 +8,11 @@ copy must give the colocated tokens, every P->D request must complete its load o
 fail or be recomputed. Four engine servers share the two cores (one P and one D per core). They move KV over
 ``ucx`` (UCX shared memory, copied by ucxx's progress thread while the workers run Python); tcp is the other
 modules' data plane, cma the tensor-parallel module's.
+
+KV-aware routing (issue 21) runs on the same servers behind a third router (``kv``): a chat's later turns go to
+the decode server that holds the conversation, stay there alone when little is new, and go P->D with only
+the blocks that server lacks when much is new. The per-flow routers route on load alone
+(``kv_routing.enabled = false``): their tests send copies of one prompt to exercise P's prefix cache.
 """
 
 from __future__ import annotations
@@ -20,13 +25,23 @@ from typing import Any
 
 import pytest
 
-from integration_tests.pd_checks import Transfers, blocks_idle, wait_until
+from integration_tests.pd_checks import (
+    BLOCK_TOKENS,
+    Transfers,
+    blocks_idle,
+    blocks_to_load,
+    metric,
+    wait_until,
+)
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 
 MAX_MODEL_LEN = 1024
 THRESHOLD = 64
+# The kv router's: a chat turn that adds a short answer and question to a cached conversation (the router's
+# view misses up to a block of the last prompt's tail) stays well below it; a long new message does not.
+KV_THRESHOLD = 96
 SECRET = "topology-secret"
 FLOWS = ("pd-push", "vllm-standard")
 
@@ -67,22 +82,28 @@ def cluster(start_servers, tiny_model: Path, log_dir: Path, tmp_path_factory) ->
     for server in (*prefills, *decodes):
         assert "data plane ucx" in server.log_tail(400), server.name
     routers = {}
-    for flow in FLOWS:
+    kv_off: dict[str, Any] = {"enabled": False}
+    kv_on: dict[str, Any] = {"block_size": BLOCK_TOKENS}
+    for name, flow, threshold, kv in (
+        *((f, f, THRESHOLD, kv_off) for f in FLOWS),
+        ("kv", "pd-push", KV_THRESHOLD, kv_on),
+    ):
         config = write_router_config(
-            tmp_path_factory.mktemp(flow) / "router.toml",
+            tmp_path_factory.mktemp(name) / "router.toml",
             flow=flow,
             sections={
                 "model": {"path": str(tiny_model), "served_names": ["tiny"], "max_model_len": MAX_MODEL_LEN},
-                "policy": {"threshold_tokens": THRESHOLD},
+                "policy": {"threshold_tokens": threshold},
+                "kv_routing": kv,
                 "health": {"interval_s": 0.5},
             },
             prefill=[{"url": base_url(p), "bootstrap": a} for p, a in zip(prefills, p_addrs, strict=True)],
             decode=[{"url": base_url(d)} for d in decodes],
         )
         (router,) = start_servers(
-            router_server(config, log_dir=log_dir, port=free_port(), name=f"topo-{flow}")
+            router_server(config, log_dir=log_dir, port=free_port(), name=f"topo-{name}")
         )
-        routers[flow] = base_url(router)
+        routers[name] = base_url(router)
     return {
         "p": [base_url(p) for p in prefills],
         "d": [base_url(d) for d in decodes],
@@ -174,3 +195,86 @@ def _routed_stream(router: str, payload: dict[str, Any]) -> tuple[str, list[int]
     assert events[-1] == b"[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     return route, [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+
+
+def _chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]]:
+    """A greedy chat turn (10 tokens, with token ids); returns (X-PD-Route, the response)."""
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 10,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    request = pd_client.urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    with pd_client.urllib.request.urlopen(request, timeout=180) as resp:
+        return resp.headers.get("X-PD-Route", ""), json.load(resp)
+
+
+def _served(urls: list[str]) -> list[float]:
+    return [metric(u, "vllm:request_success_total") for u in urls]
+
+
+def test_a_conversation_follows_its_prefix_cache(cluster: dict[str, Any]) -> None:
+    """Turn 1 (long, new): P->D on some D. Turn 2 (+ the answer and a short question): that D alone, from its
+    prefix cache, no transfer. Turn 3 (+ a long message): P->D on that D again, P pushing only the blocks D
+    lacks (its prefix-cache hit sets the transfer's start). Every turn's tokens equal a colocated server's."""
+    router, ds = cluster["routers"]["kv"], cluster["d"]
+    rng = random.Random(33_000)
+
+    def words(n: int) -> str:
+        return " ".join("".join(rng.choice("abcdefghijklmnop") for _ in range(5)) for _ in range(n))
+
+    def router_metric(name: str, **labels: str) -> float:
+        return metric(router, name, labels)
+
+    messages = [{"role": "system", "content": words(120)}, {"role": "user", "content": words(4)}]
+    served, transfers = _served(ds), Transfers(cluster["p"], ds)
+    route, first = _chat(router, messages)
+    assert route == "disagg"
+    home = [a - b for a, b in zip(_served(ds), served, strict=True)].index(1)
+    len1 = first["usage"]["prompt_tokens"]
+    transfers.check(1, blocks=blocks_to_load(len1))
+    turns = [(list(messages), first)]
+
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+    messages += [{"role": "user", "content": words(2)}]
+    served, transfers = _served(ds), Transfers(cluster["p"], ds)
+    hits_before = metric(ds[home], "vllm:prefix_cache_hits_total")
+    route, second = _chat(router, messages)
+    assert route == "local"
+    assert [a - b for a, b in zip(_served(ds), served, strict=True)] == [i == home for i in range(len(ds))]
+    assert (
+        metric(ds[home], "vllm:prefix_cache_hits_total") - hits_before >= len1 // BLOCK_TOKENS * BLOCK_TOKENS
+    )
+    assert (
+        transfers.now().sent == transfers.before.sent
+        and transfers.now().received == transfers.before.received
+    )
+    assert router_metric("pd_router_requests_total", reason="cached", route="local") == 1
+    # the router's view: turn 1's full blocks (its chat rendering is a prefix of turn 2's, token for token)
+    assert (
+        router_metric("pd_router_prefix_hit_tokens_total", route="local")
+        == len1 // BLOCK_TOKENS * BLOCK_TOKENS
+    )
+    turns.append((list(messages), second))
+
+    messages += [{"role": "assistant", "content": second["choices"][0]["message"]["content"]}]
+    messages += [{"role": "user", "content": words(60)}]
+    served, transfers = _served(ds), Transfers(cluster["p"], ds)
+    hits_before = metric(ds[home], "vllm:prefix_cache_hits_total")
+    route, third = _chat(router, messages)
+    assert route == "disagg"
+    assert [a - b for a, b in zip(_served(ds), served, strict=True)] == [i == home for i in range(len(ds))]
+    hit = metric(ds[home], "vllm:prefix_cache_hits_total") - hits_before
+    len2, len3 = second["usage"]["prompt_tokens"], third["usage"]["prompt_tokens"]
+    assert hit >= len2 // BLOCK_TOKENS * BLOCK_TOKENS  # at least turn 2's prompt, which D computed itself
+    transfers.check(1, blocks=blocks_to_load(len3, int(hit)))  # only what D lacked moved
+    assert router_metric("pd_router_decode_placements_total", reason="prefix") == 2
+    turns.append((list(messages), third))
+
+    for sent, answer in turns:
+        _, colocated = _chat(ds[1 - home], sent)
+        assert answer["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
