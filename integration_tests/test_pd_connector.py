@@ -454,6 +454,56 @@ def test_router_streams_disaggregated_chat(pd: Cluster, router: str) -> None:
     transfers.check(1, blocks=blocks_to_load(prompt_tokens))
 
 
+def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, router: str) -> None:
+    """A sampled streamed request (temperature 0.8, fixed seed, logprobs) through pd-router, P->D.
+
+    The client's first token is P's: P alone, asked the same request for one token, samples the same one
+    (vLLM seeds a fresh generator per request, so the same prompt and seed give the same first draw). D then
+    continues from that token instead of sampling a first token of its own: its tokens equal those of a
+    colocated request whose prompt is the prompt plus P's token, with the same seed. That is what vLLM's
+    per-request generator makes comparable: D's generator is fresh when it samples the second token, as the
+    colocated one is when it samples the first token after prompt + P's token (the CPU sampler draws one seed
+    per sampling step from it), so both use the generator's first draw. (It is not the colocated stream of
+    the prompt alone, whose second token comes from the generator's second draw.) The first token keeps its
+    logprobs (from P's answer), the usage counts every token, and the transfer happened (exact bytes, one
+    load, nothing failed or recomputed: an unseeded or recomputing D would sample its own first token).
+
+    The prompt fits in one of P's prefill steps (``CHUNK`` tokens), and the colocated reference (one token
+    longer) hits P's prefix cache for all but its last token: vLLM 0.32's CPU model runner kills the engine
+    on a seeded request whose prefill is chunked ("RuntimeError: CPU Generator does not use offset", when it
+    rewinds the generator after discarding a partial chunk's sample).
+    """
+    prompt = tokens(CHUNK, seed=7100)
+    assert len(prompt) >= ROUTER_THRESHOLD  # P->D through the router
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "logprobs": 2}
+    request = body(prompt, **sampling)
+    first = pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1})
+    p_token = token_ids(first)[0]
+    transfers = pd.transfers()
+    route, events = _stream_through_router(
+        router,
+        "/v1/completions",
+        {**request, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert route == "disagg"
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    choices = [choice for c in chunks for choice in c["choices"]]
+    streamed = [t for choice in choices for t in choice.get("token_ids") or []]
+    assert streamed[0] == p_token, "the client's first token is the one P sampled"
+    assert choices[0]["token_ids"] == [p_token]
+    lp = choices[0]["logprobs"]
+    assert lp["tokens"] and isinstance(lp["token_logprobs"][0], float) and len(lp["top_logprobs"][0]) >= 2
+    assert all(choice["logprobs"] is not None for choice in choices if choice.get("token_ids"))
+    continued = pd_client.post_json(
+        pd.p_url + "/v1/completions", body([*prompt, p_token], MAX_TOKENS - 1, **sampling)
+    )
+    assert streamed[1:] == token_ids(continued), "D continued from P's token, as prompt + token would"
+    assert len(streamed) == MAX_TOKENS and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
+    assert len({c["id"] for c in chunks}) == 1, "one stream: P's id on D's events too"
+
+
 class _Listener:
     """A TCP listener a client names as a "prefill address": counts every connection made to it."""
 

@@ -39,11 +39,16 @@ class PushPrefill(msgspec.Struct, frozen=True):
 
 
 class PushDecode(msgspec.Struct, frozen=True):
-    """D's leg in our push flow: load the prompt of ``pd_transfer_id`` from P's side channel."""
+    """D's leg in our push flow: load the prompt of ``pd_transfer_id`` from P's side channel.
+
+    ``pd_seed_first_token``: continue from P's first sampled token (which P's ``Done`` carries over the side
+    channel) instead of sampling one's own; pd-router sets it only when it streams P's token to the client.
+    """
 
     pd_transfer_id: TransferId
     pd_prefill_addr: PrefillAddr
     pd_role: Literal["decode"] = "decode"
+    pd_seed_first_token: bool = False
 
 
 class StandardPrefill(msgspec.Struct, frozen=True):
@@ -58,7 +63,10 @@ class StandardPrefill(msgspec.Struct, frozen=True):
 
 
 class PrefillReturned(msgspec.Struct, frozen=True):
-    """What P answers in ``kv_transfer_params`` (both flows); in vLLM's standard flow it is D's leg."""
+    """What P answers in ``kv_transfer_params`` (both flows); in vLLM's standard flow it is D's leg.
+
+    ``pd_seed_first_token``: as in ``PushDecode``; P never sets it, pd-router does on D's leg.
+    """
 
     pd_transfer_id: TransferId
     pd_prefill_addr: PrefillAddr
@@ -68,6 +76,7 @@ class PrefillReturned(msgspec.Struct, frozen=True):
     remote_block_ids: None = None
     remote_host: None = None
     remote_port: None = None
+    pd_seed_first_token: bool = False
 
 
 #: Every shape an engine may receive; ``parse_params`` says which one a request carries.
@@ -76,16 +85,19 @@ Params = PushPrefill | PushDecode | StandardPrefill | PrefillReturned
 
 _NEEDED: dict[type[Params], tuple[str, ...]] = {
     PushPrefill: ("pd_transfer_id", "pd_test_corrupt"),
-    PushDecode: ("pd_transfer_id", "pd_prefill_addr"),
-    PrefillReturned: ("pd_transfer_id", "pd_prefill_addr"),
+    PushDecode: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token"),
+    PrefillReturned: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token"),
 }
+#: Flags left out of ``encode``'s output while False, so legs that do not use them stay as they were.
+_QUIET_FLAGS = ("pd_test_corrupt", "pd_seed_first_token")
 
 
 def encode(params: Params) -> dict[str, Any]:
-    """The JSON-ready dict for a body's ``kv_transfer_params`` (the test-only flag only when set)."""
+    """The JSON-ready dict for a body's ``kv_transfer_params`` (the optional flags only when set)."""
     out: dict[str, Any] = msgspec.to_builtins(params)
-    if isinstance(params, PushPrefill) and not params.pd_test_corrupt:
-        del out["pd_test_corrupt"]
+    for flag in _QUIET_FLAGS:
+        if out.get(flag) is False:
+            del out[flag]
     return out
 
 

@@ -4,7 +4,9 @@ Used by ``proxy.py`` (a request's attempts) and ``resume.py`` (a broken stream's
 process, one coroutine per request. Per flow (docs/wire-contract.md): pd-push sends P and D together with one
 transfer id; vllm-standard sends P first and D what P returned, trying other P on failure and prefilling on
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
-(``guarded``), since SGLang's decode server cannot prefill alone.
+(``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
+``seeding.applies`` to streams P's first token as soon as P's leg answered and asks D to continue from it
+(``first_events``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
+from router.seeding import NotSeedable, applies, first_events, prompt_tokens
+from router.streaming import Stitcher, StreamState, strip_token_ids
 from router.trace import Stamps
 from router.upstream import (
     UpstreamError,
@@ -70,6 +74,10 @@ class Legs:
         else:
             self.fail(decode, e, failed)
 
+    def seeds(self, body: dict[str, Any]) -> bool:
+        """Whether a P/D attempt for ``body`` has D continue from P's first token (both vLLM flows)."""
+        return self.cfg.flow != "sglang-bootstrap" and applies(body)
+
     async def start(
         self,
         path: str,
@@ -81,17 +89,20 @@ class Legs:
         extra: dict[str, Any],
         stamps: Stamps | None = None,
     ) -> tuple[bytes, bool, asyncio.Task[bytes] | None]:
-        """D's body for ``body`` (plus ``extra`` fields), whether it is the local path, and a concurrent P leg.
+        """D's body for ``body`` (plus ``extra`` fields), whether it is the local path, and the P leg: running
+        concurrently (pd-push, sglang-bootstrap), or already answered (vllm-standard, when D is seeded).
 
         ``raw``: ``body``'s bytes when the client sent exactly these (forwarded as they are on the local
         path); ``tokens``: the prompt length P's lease counts; ``stamps``: the request's trace (P->D only).
+        A seeded P leg gets ``extra`` too (the token ids the router tracks come from P's answer first).
         """
         local = raw if raw is not None and not extra else msgspec.json.encode({**body, **extra})
         if prefill is None:
             return local, True, None
         flow = self.cfg.flow
+        seed = self.seeds(body)
         transfer, room = transfer_id(), bootstrap_room(self.rng)
-        p_body = prefill_body(body, flow, transfer, prefill, room)
+        p_body = prefill_body({**body, **extra} if seed else body, flow, transfer, prefill, room)
         if stamps is not None:
             stamps.transfer_id = transfer
             stamps.mark("prefill_sent")
@@ -106,14 +117,15 @@ class Legs:
                 except UpstreamError as e:
                     self.fail(candidate, e, failed)
                     continue
-                d_body = decode_body(body, flow, transfer, candidate, room, params)
-                return msgspec.json.encode({**d_body, **extra}), False, None
+                d_body = decode_body(body, flow, transfer, candidate, room, params, seed)
+                answered = asyncio.create_task(_answered(data)) if seed else None
+                return msgspec.json.encode({**d_body, **extra}), False, answered
             return local, True, None  # no prefill worker succeeded: D prefills locally
         task = asyncio.create_task(self._post_prefill(prefill, path, p_body, tokens))
         task.add_done_callback(_consume)
         if stamps is not None:
             task.add_done_callback(functools.partial(_returned, stamps))
-        d_body = decode_body(body, flow, transfer, prefill, room)
+        d_body = decode_body(body, flow, transfer, prefill, room, seed=seed)
         return msgspec.json.encode({**d_body, **extra}), False, task
 
     def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
@@ -148,6 +160,67 @@ class Legs:
             if not d_task.done():
                 d_task.cancel()
 
+    async def opening(
+        self,
+        worker: Worker,
+        path: str,
+        body: bytes,
+        p_task: asyncio.Task[bytes] | None,
+        request: dict[str, Any],
+        state: StreamState | None,
+        strip: bool,
+        stamps: Stamps | None = None,
+    ) -> tuple[Response, bytes, bytes, Stitcher | None]:
+        """D's stream, and what the client gets first: ``(resp, lead, first, stitcher)``.
+
+        Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``). Seeded:
+        D's stream is opened and, once P's leg answered, ``lead`` holds P's first token as stream events
+        (ending the stream when that token finished the request) and ``stitcher`` makes D's events read as
+        their continuation; ``state`` (when the stream is resumable) has recorded the token. A P leg that
+        failed, or answered what cannot be streamed, fails the attempt as P's fault (``PrefillFailed``):
+        whether D got P's token is unknown then, so the attempt is retried (nothing reached the client yet)
+        rather than relayed, on another P or on D alone.
+        """
+        if p_task is None or not self.seeds(request):
+            opened, first = await self.first_event(worker, path, body, stamps)
+            return opened, b"", first, None
+        resp: Response | None = None
+        try:
+            async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
+                if stamps is not None:
+                    stamps.mark("decode_sent")
+                resp = await open_stream(self.upstream, worker, path, body)
+                try:
+                    data = await p_task
+                except UpstreamError as e:  # counted by the P leg
+                    # P may have finished its prefill and sent D its token all the same (only its answer
+                    # was lost): D's stream could then start after a token the client never gets.
+                    raise PrefillFailed(e.kind, f"prefill leg failed before its first token: {e}") from None
+        except TimeoutError:
+            if resp is not None:
+                resp.close()
+            raise UpstreamError("timeout", f"no first token from {worker.url} or its prefill") from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+        try:
+            chat = "messages" in request
+            opts = request.get("stream_options")
+            usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            limit = request.get("max_completion_tokens", request.get("max_tokens"))
+            events, _ = first_events(data, chat, limit if isinstance(limit, int) else None, usage)
+            prompt = prompt_tokens(data)
+        except NotSeedable as e:
+            resp.close()
+            raise PrefillFailed("protocol", str(e)) from None
+        if stamps is not None:
+            stamps.mark("decode_first_event")  # the first event the client gets: P's token
+        state = state or StreamState(need_text=chat)
+        state.observe_batch(events)
+        lead = strip_token_ids(events) if strip else events
+        return resp, lead, b"", Stitcher(state, prompt, strip)
+
     async def first_event(
         self, worker: Worker, path: str, body: bytes, stamps: Stamps | None = None
     ) -> tuple[Response, bytes]:
@@ -173,6 +246,11 @@ class Legs:
             resp.close()
             raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
         return resp, first
+
+
+async def _answered(data: bytes) -> bytes:
+    """P's answer as a finished leg (vllm-standard answered before D was sent)."""
+    return data
 
 
 def _returned(stamps: Stamps, task: asyncio.Task[bytes]) -> None:

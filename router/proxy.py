@@ -276,8 +276,9 @@ class Proxy:
         try:
             with self.balancer.lease(decode):
                 try:
-                    resp, first = await self.legs.guarded(
-                        p_task, self.legs.first_event(decode, path, body, stamps)
+                    resp, lead, first, stitcher = await self.legs.guarded(
+                        p_task,
+                        self.legs.opening(decode, path, body, p_task, parsed.body, state, strip, stamps),
                     )
                 except UpstreamError as e:
                     self.legs.blame(e, decode, prefill, failed)
@@ -296,11 +297,12 @@ class Proxy:
                         decode,
                         first,
                         state,
-                        None,
+                        stitcher,
                         strip,
                         self.metrics,
                         route,
                         self.cfg.timeouts.idle_s,
+                        lead,
                     )
                 finally:
                     resp.close()

@@ -59,10 +59,13 @@ async def relay(
     metrics: RouterMetrics,
     route: str,
     idle_s: float,
+    lead: bytes = b"",
 ) -> UpstreamError | None:
     """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
-    The first event goes out through ``client.write``; the rest are relayed by a ``Pump`` inside the
+    ``lead``: events the router wrote itself (P's first token, ``legs.Legs.opening``), sent as they are
+    before ``first`` (then empty: every event of the worker's stream goes through the Pump). When ``lead``
+    ends the stream, the worker's stream is closed unread. The first event goes out through ``client.write``; the rest are relayed by a ``Pump`` inside the
     upstream connection's read callback, byte for byte, all complete events of one read in one write. This
     coroutine only waits for the end, an error, the idle timeout or a slow client. After ``[DONE]`` the
     upstream connection is released for reuse; the caller closes it on any other exit.
@@ -75,9 +78,12 @@ async def relay(
             state.observe_batch(batch)
         return strip_token_ids(batch) if strip else batch
 
-    out = transform(first)
+    out = lead + transform(first) if first else lead
     if out:
         await write(client, out)
+    if lead.endswith(DONE):
+        resp.close()  # the worker's stream is not needed: closing it makes vLLM abort its request
+        return None
     if first.endswith(DONE):
         resp.release()  # keep-alive: the connection serves the next leg
         return None

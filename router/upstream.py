@@ -176,14 +176,19 @@ def decode_body(
     prefill: Worker,
     room: int,
     returned: wire.PrefillReturned | None = None,
+    seed: bool = False,
 ) -> dict[str, Any]:
-    """What D gets on the disaggregated path (``returned``: what P answered in vllm-standard)."""
+    """What D gets on the disaggregated path (``returned``: what P answered in vllm-standard; ``seed``: continue
+    from P's first token, ``router.seeding``)."""
     out = dict(body)
     if flow == "pd-push":
-        out[wire.KV_TRANSFER_PARAMS] = wire.encode(wire.PushDecode(transfer, prefill.cfg.bootstrap))
+        push = wire.PushDecode(transfer, prefill.cfg.bootstrap, pd_seed_first_token=seed)
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(push)
     elif flow == "vllm-standard":
         assert returned is not None
-        out[wire.KV_TRANSFER_PARAMS] = wire.encode(returned)
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(
+            msgspec.structs.replace(returned, pd_seed_first_token=seed)
+        )
     else:
         out.update(sglang_fields(prefill, room))
     return out

@@ -14,7 +14,9 @@ prefill for a remote decode (vLLM's standard flow), it answers ``kv_transfer_par
 ``Pairings``: a decode engine then answers a P/D leg only once a prefill engine has taken its partner (same
 transfer id or SGLang room; a failing one takes none), as a real D waits for P's KV, so tests see both legs
 of a pair whatever order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real
-one recomputes). Runs in-process (aiohttp test server) or as a process:
+one recomputes). A decode leg asked to continue from P's first token (``pd_seed_first_token``) whose P took
+it streams the tokens after that one, as a seeded PDConnector D does (its API server never sees the first).
+Runs in-process (aiohttp test server) or as a process:
 ``python -m test_support.fake_vllm --port 8100`` (the benchmark's upstream).
 
 For the router benchmark (``stamps={}``) it records, per streamed request, when the request arrived and when
@@ -78,14 +80,16 @@ class Pairings:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait(self, key: Any) -> None:
-        """Until a prefill engine received the leg ``key`` (or ``load_timeout_s`` passed: D recomputes)."""
+    async def wait(self, key: Any) -> bool:
+        """Until a prefill engine received the leg ``key`` (True), or ``load_timeout_s`` passed (False: D
+        recomputes)."""
         try:
             async with asyncio.timeout(self.load_timeout_s):
                 while key not in self._received:
                     await self._changed.wait()
         except TimeoutError:
-            pass
+            return False
+        return True
 
 
 @dataclass
@@ -188,7 +192,12 @@ class FakeEngine:
             pairings.received(pair)  # a P that failed above sent no KV: its D waits in vain
         try:
             if pairings is not None and pair is not None and self.role != "prefill":
-                await pairings.wait(pair)
+                loaded = await pairings.wait(pair)
+                kv = body.get(wire.KV_TRANSFER_PARAMS)
+                if loaded and isinstance(kv, dict) and kv.get("pd_seed_first_token"):
+                    # P's first token came with its KV and counts as D's first output: continue after it
+                    # (a one-token request still samples one, as vLLM checks max_tokens after sampling)
+                    tokens = generate(text, max(n_tokens, 2))[1:]
             if self.first_token_delay_s:
                 await asyncio.sleep(self.first_token_delay_s)
         except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here
@@ -211,7 +220,8 @@ class FakeEngine:
                 request.transport.close()
                 return web.Response()
             self.finished += 1
-            return _unary(self.model, chat, "".join(tokens), prompt_tokens, n_tokens, returned)
+            ids = [token_id(t) for t in tokens] if body.get("return_token_ids") else None
+            return _unary(self.model, chat, "".join(tokens), prompt_tokens, len(tokens), returned, ids)
         key = text.split()[-1] if self.stamps is not None and text.split() else None
         return await self._stream(request, body, chat, tokens, prompt_tokens, (key, arrived))
 
@@ -335,7 +345,9 @@ def _chunk(
     return out
 
 
-def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: Any) -> web.Response:
+def _unary(
+    model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: Any, ids: list[int] | None = None
+) -> web.Response:
     usage = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + n,
@@ -343,6 +355,8 @@ def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: An
         "prompt_tokens_details": None,
         "completion_tokens_details": None,
     }
+    # return_token_ids: as in a stream, the prompt's ids are its word positions
+    prompt_ids = list(range(prompt_tokens)) if ids is not None else None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(_ids):016x}"
     head = {
         "id": rid,
@@ -366,7 +380,7 @@ def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: An
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
-            "token_ids": None,
+            "token_ids": ids,
             "routed_experts": None,
         }
         out = {
@@ -376,7 +390,7 @@ def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: An
             "system_fingerprint": FINGERPRINT,
             "usage": usage,
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": prompt_ids,
             "prompt_text": None,
             "kv_transfer_params": kv,
             "ec_transfer_params": None,
@@ -389,9 +403,9 @@ def _unary(model: str, chat: bool, text: str, prompt_tokens: int, n: int, kv: An
             "logprobs": None,
             "finish_reason": "length",
             "stop_reason": None,
-            "token_ids": None,
+            "token_ids": ids,
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": prompt_ids,
             "routed_experts": None,
         }
         out = {

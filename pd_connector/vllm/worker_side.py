@@ -4,10 +4,12 @@ Maps vLLM's per-step and per-layer hooks onto one ``pd_connector.transfer.Transf
 in docs/architecture.md). Every engine call returns at once; bytes move on the engine's I/O thread, so:
 - P (producer): ``bind`` offers each scheduled request's block table (again per chunk), ``save_kv_layer``
   (called right after each attention layer wrote its KV) pushes that layer's new blocks while the next layer
-  computes, and ``wait_for_save`` finishes a transfer after the step that completed its prompt.
+  computes, and a request P's scheduler finished (``FinishedSend``, with the token P sampled) finishes its
+  transfer: ``Done`` carries that token to D.
 - D (consumer): ``start_load_kv`` expects each request the scheduler parked in WAITING_FOR_REMOTE_KVS
   (vLLM calls it after the forward pass: nothing in D's forward waits on these loads).
-``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids. A P
+``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids, and
+``first_tokens`` hands the tokens of D's finished loads to the scheduler side (first-token seeding). A P
 transfer that ended is reported to vLLM only once its request also finished in P's scheduler (vLLM frees
 blocks of finished requests only); one that ended early (D gone) is no longer fed by later chunks.
 """
@@ -30,7 +32,7 @@ from pd_connector.transport.base import HOST
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.compat import TPRank, kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
-from pd_connector.vllm.metadata import PDConnectorMetadata, SendSpec
+from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
 #: Longest pause of an idle engine step while transfers are pending (bounds the spin); the step goes on at
@@ -102,6 +104,7 @@ class WorkerSide:
         self._loading: dict[str, str] = {}
         self._unstarted: list[str] = []
         self._failed_blocks: set[int] = set()
+        self._first_tokens: dict[str, int] = {}  # D: P's first token of loads finished, until reported
         self._trace = TraceWriter(config.trace_path) if config.trace_path else None
         self._staging: HostStaging | None = None  # a device cache behind a host-only transport
 
@@ -171,8 +174,12 @@ class WorkerSide:
             if push is None:
                 # Never offered (no step ran for it, or this rank sends nothing): nothing to wait for.
                 push = self._pushes[finished.req_id] = _Push("", _never_offered(finished.req_id))
-            elif not finished.ok and push.ended is None:
+            elif push.ended is None and not finished.ok:
                 self._eng.abort(push.transfer_id, "request aborted on the prefill side")
+            elif push.ended is None:
+                # Every push of the prompt was issued by earlier steps (a finished request is not
+                # scheduled again): Done follows once they landed, with the token D may continue from.
+                self._eng.finish(push.transfer_id, finished.first_token)
             push.report = finished.report
 
     def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -189,14 +196,6 @@ class WorkerSide:
             if self._staging is not None:  # the transport reads the host mirror: fill it first
                 self._staging.to_host(layer, spec.block_ids[first:end])
             self._eng.push_layer(spec.transfer_id, layer, first, end)
-
-    def wait_for_save(self, meta: PDConnectorMetadata) -> None:
-        """End of the step: the transfers whose prompt this step completed get no more pushes."""
-        if not self._sends:
-            return
-        for spec in meta.sends:
-            if spec.completes_prompt and self._live(spec):
-                self._eng.finish(spec.transfer_id)
 
     # ---- D ----
 
@@ -265,6 +264,8 @@ class WorkerSide:
                     recving.add(req_id)
                     if self._staging is not None and result.state is TransferState.DONE:
                         self._staging.to_device(self._loads[req_id].blocks)  # before vLLM reads them
+                    if result.first_token is not None:
+                        self._first_tokens[req_id] = result.first_token
                     # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
                     # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
                     if result.state is not TransferState.DONE and not self._loads[req_id].aborted:
@@ -284,6 +285,14 @@ class WorkerSide:
             if self._pushes.pop(req_id).report:
                 sending.add(req_id)
         return sending, recving, failed
+
+    def first_tokens(self) -> FirstTokens | None:
+        """P's first token of each load reported finished since the last call (from P's ``Done``), for the
+        scheduler side; None when there is none."""
+        if not self._first_tokens:
+            return None
+        tokens, self._first_tokens = self._first_tokens, {}
+        return FirstTokens(tokens)
 
     def take_failed_blocks(self) -> set[int]:
         """D block ids of loads reported failed since the last call (they hold no valid KV)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import pytest
@@ -65,13 +66,14 @@ async def test_decode_dies_mid_stream_and_another_continues_it(make_cluster, pat
     roles = [p for p in chunks if p["choices"] and "role" in p["choices"][0].get("delta", {})]
     assert len(roles) == (1 if "chat" in path else 0)
     assert chunks[-1]["usage"]["completion_tokens"] == 10
-    # the continuation went to the other D with the text so far and the tokens left, without transfer params
+    # the continuation went to the other D with the text so far and the tokens left, without transfer params:
+    # P's first token (seeding) and the 3 D0 streamed after it were delivered
     (cont,) = c.decode[1].requests
-    assert "kv_transfer_params" not in cont and cont["max_tokens"] == 7
+    assert "kv_transfer_params" not in cont and cont["max_tokens"] == 6
     assert cont["return_token_ids"] is True  # asked for, and hidden from the client again
     assert b'token_ids":[' not in raw
-    if "chat" not in path:  # completions resume token-exactly: prompt ids + the 3 delivered ids
-        assert cont["prompt"] == [*range(64), 64, 65, 66]
+    if "chat" not in path:  # completions resume token-exactly: prompt ids + the 4 delivered ids
+        assert cont["prompt"] == [*range(64), 64, 65, 66, 67]
     assert _metric(await _metrics(c), "pd_router_decode_resumes_total") == 1
 
 
@@ -150,12 +152,16 @@ async def test_client_disconnect_aborts_both_legs(make_cluster) -> None:
     c.decode[0].token_delay_s = 0.05
     c.prefill[0].first_token_delay_s = 5.0  # P still busy when the client leaves
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 100, "stream": True}
-    async with (
-        aiohttp.ClientSession() as s,
-        s.post(str(c.router.make_url("/v1/completions")), json=body) as r,
-    ):
-        await r.content.readuntil(b"\n\n")
-        await r.content.readuntil(b"\n\n")
+
+    async def post() -> None:
+        async with aiohttp.ClientSession() as s, s.post(str(c.router.make_url("/v1/completions")), json=body):
+            pass  # never reached: the client leaves before P answers (the stream starts with P's token)
+
+    client = asyncio.ensure_future(post())
+    await wait_until_async(lambda: bool(c.prefill[0].requests and c.decode[0].requests), 2, "both legs sent")
+    client.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
     await wait_until_async(
         lambda: bool(c.decode[0].abandoned and c.prefill[0].abandoned and _idle(c)), 2, "both legs aborted"
     )

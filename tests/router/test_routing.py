@@ -73,6 +73,7 @@ async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_clu
         "pd_transfer_id": p["kv_transfer_params"]["pd_transfer_id"],
         "pd_role": "decode",
         "pd_prefill_addr": "127.0.0.1:7000",
+        "pd_seed_first_token": True,  # a streamed request: D continues from P's first token
     }
     assert len(p["kv_transfer_params"]["pd_transfer_id"]) == 32
     assert d["stream"] is True and d["max_tokens"] == 4

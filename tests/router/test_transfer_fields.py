@@ -27,6 +27,7 @@ CLIENT: dict[str, Any] = {
         "pd_role": "prefill",
         "pd_transfer_id": "client-chosen",
         "pd_prefill_addr": "10.9.9.9:9",
+        "pd_seed_first_token": True,
     },
     "bootstrap_host": "10.9.9.9",
     "bootstrap_port": 9,
@@ -53,8 +54,11 @@ async def test_parse_drops_each_field_and_keeps_clean_bodies_byte_for_byte(token
     assert p.dropped == wire.TRANSFER_FIELDS and set(p.body) == {"model", "prompt"}
 
 
-def _expected_legs(flow: str, route: str, p: list[dict], d: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The transfer fields each leg must carry: exactly the router's (found in the bodies), or none."""
+def _expected_legs(
+    flow: str, route: str, p: list[dict], d: list[dict], seed: bool
+) -> tuple[list[dict], list[dict]]:
+    """The transfer fields each leg must carry: exactly the router's (found in the bodies), or none. ``seed``:
+    the router asks D to continue from P's first token (streamed requests in the vLLM flows)."""
     if route == "local":
         return [], [{}]
     (p_body,), (d_body,) = p, d
@@ -63,12 +67,19 @@ def _expected_legs(flow: str, route: str, p: list[dict], d: list[dict]) -> tuple
         assert transfer != "client-chosen"
         return (
             [{wire.KV_TRANSFER_PARAMS: wire.encode(wire.PushPrefill(transfer))}],
-            [{wire.KV_TRANSFER_PARAMS: wire.encode(wire.PushDecode(transfer, "127.0.0.1:7000"))}],
+            [
+                {
+                    wire.KV_TRANSFER_PARAMS: wire.encode(
+                        wire.PushDecode(transfer, "127.0.0.1:7000", "decode", seed)
+                    )
+                }
+            ],
         )
     if flow == "vllm-standard":
         returned = wire.parse_params(d_body[wire.KV_TRANSFER_PARAMS])
         assert isinstance(returned, wire.PrefillReturned)
         assert returned.pd_prefill_addr == "127.0.0.1:7600"  # what P answered, not the client's address
+        assert returned.pd_seed_first_token is seed  # the router's decision, never the client's
         return (
             [{wire.KV_TRANSFER_PARAMS: wire.encode(wire.StandardPrefill())}],
             [{wire.KV_TRANSFER_PARAMS: wire.encode(returned)}],
@@ -105,7 +116,7 @@ async def test_client_transfer_fields_never_reach_an_engine(make_cluster, flow: 
                     await r.read()
                     assert r.headers["X-PD-Route"] == route
                     p_new, d_new = p_engine.requests[p_seen:], d_engine.requests[d_seen:]
-                    want_p, want_d = _expected_legs(flow, route, p_new, d_new)
+                    want_p, want_d = _expected_legs(flow, route, p_new, d_new, stream)
                     assert _transfer_fields(p_new) == want_p, (name, route, path, stream)
                     assert _transfer_fields(d_new) == want_d, (name, route, path, stream)
     metrics = await (await c.router.get("/metrics")).text()

@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from vllm.v1.request import RequestStatus
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
@@ -26,6 +27,7 @@ class FakeRequest:
     prompt_token_ids: list[int]
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.RUNNING
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -203,10 +205,65 @@ def test_decode_finished_load_needs_no_abort() -> None:
     req = FakeRequest("d1", decode_params(), list(range(40)))
     side.update_state_after_alloc(req, FakeBlocks([3, 4]), 40)  # type: ignore[arg-type]
     side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
-    side.update_connector_output({"d1"})
+    side.update_connector_output({"d1"}, {})
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
     assert side.build_connector_meta(FakeOutput({})).aborted_recvs == []  # type: ignore[arg-type]
+
+
+def _loaded(side: SchedulerSide, params: dict[str, Any], prompt_len: int = 64) -> Request:
+    """A real vLLM request on D whose load of ``prompt_len`` tokens was planned (two blocks)."""
+    req = Request("d1", list(range(prompt_len)), SamplingParams(temperature=0.8, seed=7), None)
+    req.kv_transfer_params = params
+    assert side.get_num_new_matched_tokens(req, 0) == (prompt_len, True)  # type: ignore[arg-type]
+    req.num_computed_tokens = prompt_len  # what vLLM sets when it parks the request for the load
+    side.update_state_after_alloc(req, FakeBlocks([3, 4]), prompt_len)  # type: ignore[arg-type]
+    side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
+    return req
+
+
+def test_seeded_decode_continues_from_prefills_first_token() -> None:
+    """P's token becomes D's first output and the position after the prompt is D's next input: vLLM's
+    check (``num_computed_tokens == num_tokens``: recompute the last prompt token) no longer applies, and
+    its model runner, which builds a new request from ``prompt_token_ids``, gets the token as input."""
+    side, _ = make_side()
+    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
+    prompt = req.prompt_token_ids
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    assert list(req.output_token_ids) == [4242] and req.num_output_tokens == 1
+    assert req.num_tokens == 65 and req.num_computed_tokens == 64 and req.num_prompt_tokens == 64
+    assert req.prompt_token_ids == [*range(64), 4242]
+    assert prompt == list(range(64)), "the client's prompt list is not changed in place"
+    assert list(req.all_token_ids) == [*range(64), 4242]
+
+
+def test_unseeded_decode_ignores_the_token() -> None:
+    """Without the router's flag (vLLM's own proxies, other callers) D samples its first token itself, and
+    a seeded request whose load brought no token (failed, or P sent none) is left as it was."""
+    side, _ = make_side()
+    req = _loaded(side, decode_params())
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    assert req.num_output_tokens == 0 and req.num_tokens == 64
+    side, _ = make_side()
+    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
+    side.update_connector_output({"d1"}, {})
+    side.update_connector_output({"d1"}, {"d1": 4242})  # a late token for a load already reported: ignored
+    assert req.num_output_tokens == 0 and req.num_tokens == 64
+
+
+def test_prefill_hands_its_first_token_to_the_worker() -> None:
+    """What ``Done`` carries to D: the token P sampled after the prompt (none for an aborted request)."""
+    side, _ = make_side()
+    for req_id, status, outputs, expected in (
+        ("p1", RequestStatus.FINISHED_LENGTH_CAPPED, [77], FinishedSend("p1", True, True, 77)),
+        ("p2", RequestStatus.FINISHED_STOPPED, [2], FinishedSend("p2", True, True, 2)),
+        ("p3", RequestStatus.FINISHED_ABORTED, [], FinishedSend("p3", False, True, None)),
+    ):
+        req = FakeRequest(req_id, {"pd_role": "prefill", "pd_transfer_id": req_id}, list(range(40)))
+        side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
+        req.status, req.output_token_ids = status, outputs
+        side.request_finished(req, [1, 2])  # type: ignore[arg-type]
+        assert side.build_connector_meta(FakeOutput({})).finished_sends == [expected]  # type: ignore[arg-type]
 
 
 def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
@@ -224,10 +281,10 @@ def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
         req.num_computed_tokens = computed
         (spec,) = side.build_connector_meta(FakeOutput({"p1": scheduled, "other": 5})).sends  # type: ignore[arg-type]
         specs.append(spec)
-    assert [(s.start_token, s.end_token, s.completes_prompt) for s in specs] == [
-        (0, 64, False),
-        (64, 128, False),
-        (128, 150, True),
+    assert [(s.start_token, s.end_token, s.prompt_len) for s in specs] == [
+        (0, 64, 150),
+        (64, 128, 150),
+        (128, 150, 150),
     ]
     assert specs[-1].block_ids == [0, 1, 2, 3, 4] and specs[-1].transfer_id == "T"
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
@@ -264,7 +321,7 @@ def test_prefill_pushes_its_own_prefix_cache_hit_too() -> None:
     manager.blocks["p1"] = [9, 8, 7, 6, 5]
     req.num_computed_tokens = 128  # four blocks came from P's prefix cache
     (spec,) = side.build_connector_meta(FakeOutput({"p1": 22})).sends  # type: ignore[arg-type]
-    assert (spec.start_token, spec.end_token, spec.completes_prompt) == (0, 150, True)
+    assert (spec.start_token, spec.end_token, spec.prompt_len) == (0, 150, 150)
 
 
 def test_prefill_abort_is_reported_not_ok() -> None:

@@ -1,7 +1,8 @@
 """The worker side of PDConnector driving two real transfer engines (P and D) over the TCP transport.
 
 The forward pass is played by the test: it writes KV into P's tensors and calls the hooks in vLLM's order
-(bind -> save_kv_layer per layer -> wait_for_save; start_load_kv; get_transfer_results each step).
+(bind -> save_kv_layer per layer; start_load_kv; get_transfer_results each step). P's scheduler finishes a
+request in a later step than its last push (``FinishedSend``, with P's first token): then ``Done`` goes out.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class Pair:
         self.p.bind(meta)
         for name in NAMES:
             self.p.save_kv_layer(meta, name, self.p_kv[name])
-        self.p.wait_for_save(meta)
+
+    def p_finish(self, first_token: int | None = None) -> None:
+        """P's scheduler finished request p1 (the step after its last push)."""
+        self.p_step([], [FinishedSend("p1", ok=True, report=True, first_token=first_token)])
 
     def d_step(self, recvs: list[RecvSpec] | None = None, aborted: list[str] | None = None) -> None:
         self.d.start_load_kv(PDConnectorMetadata(recvs=recvs or [], aborted_recvs=aborted or []))
@@ -99,11 +103,16 @@ def test_chunked_prefill_lands_block_for_block(make_pair: Callable[..., Pair]) -
     pair.d_step([RecvSpec("d1", "T", pair.addr, d_blocks, start_block=0, num_tokens=100)])
     for start, end in ((0, 40), (40, 80), (80, 100)):  # chunks end in the middle of blocks
         pair.p_step([SendSpec("p1", "T", p_blocks[: -(-end // BS)], start, end, 100)])
-    pair.wait(lambda: "d1" in pair.recv)
+    wait_until(lambda: equal(pair, p_blocks, d_blocks), 10, "the prompt's bytes landed in D")
+    pair.poll()
+    assert pair.recv == set() and pair.sent == set(), "Done and the report wait for P's scheduler"
+    assert pair.d.first_tokens() is None
+    pair.p_finish(first_token=4242)
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
     assert pair.failed == set() and equal(pair, p_blocks, d_blocks)
-    assert pair.sent == set(), "P reports only once its scheduler finished the request"
-    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
-    pair.wait(lambda: pair.sent == {"p1"})
+    tokens = pair.d.first_tokens()
+    assert tokens is not None and tokens.tokens == {"d1": 4242}, "Done carried P's first token"
+    assert pair.d.first_tokens() is None, "reported once"
     stats = pair.p.stats()
     assert stats is not None and stats.data["transfers_sent"] == 1 and stats.data["bytes_sent"] > 0
 
@@ -139,6 +148,7 @@ def test_local_prefix_hit_loads_only_the_tail(make_pair: Callable[..., Pair]) ->
     pair = make_pair()
     pair.d_step([RecvSpec("d1", "T", pair.addr, [0, 1, 12], start_block=2, num_tokens=90)])
     pair.p_step([SendSpec("p1", "T", [3, 4, 5], 0, 90, 90)])
+    pair.p_finish()
     pair.wait(lambda: "d1" in pair.recv)
     assert equal(pair, [5], [12])
     assert not any(pair.d_kv[n][[0, 1]].any() for n in NAMES), "blocks D had are not overwritten"
@@ -146,7 +156,8 @@ def test_local_prefix_hit_loads_only_the_tail(make_pair: Callable[..., Pair]) ->
 
 def test_lease_expiry_frees_prefill_blocks(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(p=PDConnectorConfig(lease_s=0.5))
-    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)], [FinishedSend("p1", ok=True, report=True)])
+    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)])
+    pair.p_finish()
     took = pair.wait(lambda: pair.sent == {"p1"})
     assert took > 0.3
     stats = pair.p.stats()
@@ -227,6 +238,7 @@ def test_corrupt_flag_zeroes_what_d_receives(make_pair: Callable[..., Pair]) -> 
     pair = make_pair()
     pair.d_step([RecvSpec("d1", "T", pair.addr, [2], start_block=0, num_tokens=10)])
     pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10, corrupt=True)])
+    pair.p_finish()
     pair.wait(lambda: "d1" in pair.recv)
     assert pair.failed == set() and not any(pair.d_kv[n][2].any() for n in NAMES)
 
@@ -269,9 +281,8 @@ def test_each_side_traces_its_stages_in_order_under_its_request_id(
     )
     pair.d_step([RecvSpec("d1", "T", pair.addr, [8, 9, 10], start_block=0, num_tokens=70)])
     pair.p_step([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)], [])
-    pair.wait(lambda: "d1" in pair.recv)
-    pair.p_step([], [FinishedSend("p1", ok=True, report=True)])
-    pair.wait(lambda: pair.sent == {"p1"})
+    pair.p_finish()
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
     records = {r.component: r for r in read_trace(str(trace))}
     assert set(records) == {"prefill", "decode"}
     p, d = records["prefill"], records["decode"]
@@ -305,7 +316,12 @@ def test_an_idle_step_ends_as_soon_as_a_load_finishes(
     pair = make_pair()
     idle = PDConnectorMetadata(idle_step=True)
     pair.d_step([RecvSpec("d1", "T", pair.addr, [8, 9, 10], start_block=0, num_tokens=70)])
-    pusher = threading.Timer(0.3, pair.p_step, args=([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)],))
+
+    def prefill() -> None:
+        pair.p_step([SendSpec("p1", "T", [1, 2, 3], 0, 70, 70)])
+        pair.p_finish()
+
+    pusher = threading.Timer(0.3, prefill)
     pusher.start()
     start = time.monotonic()
     _, recving, failed = pair.d.transfer_results(idle)

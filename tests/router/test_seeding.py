@@ -1,0 +1,147 @@
+"""First-token seeding through the router: the client's first token is P's, D's stream continues after it.
+
+The fake engines speak the protocol (``test_support.fake_vllm``): P answers its one token, and a D asked with
+``pd_seed_first_token`` whose P took the leg streams the tokens after P's, as a seeded PDConnector D does.
+The real engines' side (D continuing from P's token, sampled requests) is proven in
+integration_tests/test_pd_connector.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from router.seeding import NotSeedable, applies, first_events
+from test_support.fake_vllm import generate
+from tests.polling import wait_until_async
+from tests.router.conftest import MODEL, long_prompt
+from tests.router.sse import payloads, text_of
+
+
+def _stream_body(path: str, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "stream": True, **extra}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": long_prompt()}]
+    else:
+        body["prompt"] = long_prompt()
+    return body
+
+
+def _expected(path: str, n: int) -> str:
+    return "".join(generate(long_prompt() + (" " if "chat" in path else ""), n))
+
+
+@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_first_token_is_prefills_and_decode_continues_after_it(
+    make_cluster, flow: str, path: str
+) -> None:
+    c = await make_cluster(n_prefill=1, n_decode=1, flow=flow)
+    body = _stream_body(path, stream_options={"include_usage": True})
+    r = await c.router.post(path, json=body)
+    raw = await r.read()
+    assert r.status == 200 and r.headers["X-PD-Route"] == "disagg"
+    assert text_of(raw) == _expected(path, 4)
+    (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
+    assert d["kv_transfer_params"]["pd_seed_first_token"] is True
+    assert p["max_tokens"] == 1 and d["max_tokens"] == 4  # D counts P's token as its first output
+    chunks = [x for x in payloads(raw) if isinstance(x, dict)]
+    assert len({x["id"] for x in chunks}) == 1 and len({x["created"] for x in chunks}) == 1
+    content = [x for x in chunks if x["choices"]]
+    first = content[1 if "chat" in path else 0]["choices"][0]
+    assert (first["delta"]["content"] if "chat" in path else first["text"]) == _expected(path, 1)
+    if "chat" in path:
+        assert content[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert sum("role" in x["choices"][0].get("delta", {}) for x in content) == 1
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 4 and usage["prompt_tokens"] == 64
+    assert usage["total_tokens"] == 68
+    assert b'token_ids":[' not in raw  # asked of both legs for the router's count, hidden from the client
+
+
+async def test_client_token_ids_come_from_both_legs(make_cluster) -> None:
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", return_token_ids=True))
+    chunks = [x for x in payloads(await r.read()) if isinstance(x, dict)]
+    ids = [t for x in chunks for ch in x["choices"] for t in ch.get("token_ids") or []]
+    assert ids == [64, 65, 66, 67]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(64))  # P's event shows the prompt
+    assert all(ch.get("prompt_token_ids") is None for x in chunks[1:] for ch in x["choices"])
+
+
+async def test_one_token_request_ends_with_prefills_token(make_cluster) -> None:
+    """The client asked one token: P's answer is the whole stream, and D's leg is closed (vLLM aborts it)."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    c.decode[0].token_delay_s = 0.5  # D still computing when P's answer ends the stream
+    body = _stream_body("/v1/completions", max_tokens=1, stream_options={"include_usage": True})
+    r = await c.router.post("/v1/completions", json=body)
+    raw = await r.read()
+    items = payloads(raw)
+    assert text_of(raw) == _expected("/v1/completions", 1) and items[-1] == "[DONE]"
+    chunks = [x for x in items if isinstance(x, dict)]
+    assert chunks[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    await wait_until_async(lambda: c.decode[0].abandoned == 1, 2, "D's leg closed")
+
+
+async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster) -> None:
+    """P's answer is lost: whether D got P's token is unknown, so the attempt is retried (nothing reached the
+    client), here on D alone as no other P is left."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    c.prefill[0].die_after_tokens = 0  # P's process dies before answering (after taking the leg)
+    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions"))
+    assert r.status == 200 and text_of(await r.read()) == _expected("/v1/completions", 4)
+    first, retry = c.decode[0].requests
+    assert first["kv_transfer_params"]["pd_seed_first_token"] is True
+    assert "kv_transfer_params" not in retry
+    metrics = await (await c.router.get("/metrics")).text()
+    assert 'pd_router_prefill_failures_total{flow="pd-push"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stop": [" w70"]},
+        {"frequency_penalty": 0.5},
+        {"min_tokens": 2},
+        {"response_format": {"type": "json_object"}},
+    ],
+)
+async def test_requests_seeding_would_change_are_not_seeded(make_cluster, extra: dict[str, Any]) -> None:
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", **extra))
+    assert r.status == 200 and text_of(await r.read()) == _expected("/v1/completions", 4)
+    (d,) = c.decode[0].requests
+    assert "pd_seed_first_token" not in d["kv_transfer_params"]
+
+
+def test_applies_only_to_streams_d_can_continue() -> None:
+    assert applies({"stream": True, "temperature": 0.7, "seed": 3, "logprobs": 2, "stop": []})
+    assert applies(
+        {"stream": True, "response_format": {"type": "text"}, "stream_options": {"include_usage": True}}
+    )
+    assert not applies({"stream": False})
+    assert not applies({"stream": True, "n": 2})
+    assert not applies({"stream": True, "stop": "x"})
+    assert not applies({"stream": True, "tools": [{"type": "function"}]})
+    assert not applies({"stream": True, "stream_options": {"continuous_usage_stats": True}})
+
+
+def test_first_events_end_the_stream_on_a_stop_token_and_refuse_what_is_not_an_answer() -> None:
+    answer = {
+        "id": "cmpl-1",
+        "created": 5,
+        "model": "m",
+        "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+    events, complete = first_events(msgspec.json.encode(answer), False, 16, True)
+    items = payloads(events)
+    assert complete and items[-1] == "[DONE]"
+    assert items[0]["choices"][0]["finish_reason"] == "stop" and items[1]["usage"]["total_tokens"] == 4
+    answer["choices"][0]["finish_reason"] = "abort"
+    for bad in (b"not json", b'{"choices": []}', msgspec.json.encode(answer)):
+        with pytest.raises(NotSeedable):
+            first_events(bad, False, 16, False)
