@@ -10,6 +10,7 @@ bodies and Authorization headers are never logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import random
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
+import zmq.asyncio
 from aiohttp import web
 
 from router.balancer import Balancer, Worker
@@ -27,6 +29,7 @@ from router.downstream import Downstream, Reply, json_reply
 from router.errors import ApiError, aiohttp_response, bad_request
 from router.health import HealthChecker
 from router.http1 import Pool
+from router.kv_events import KvEventsSubscriber, WorkerEvents
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
@@ -63,6 +66,8 @@ class RouterState:
         self.checker: HealthChecker | None = None
         self.proxy: Proxy | None = None
         self.tracer: Tracer | None = None
+        self.kv_events: list[KvEventsSubscriber] = []
+        self._zmq: zmq.asyncio.Context | None = None
 
     async def start(self) -> None:
         self.upstream = Pool(self.cfg.timeouts.connect_s)
@@ -74,6 +79,23 @@ class RouterState:
         self.checker = HealthChecker(self.cfg.health, self._check, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
         self.checker.start()
+        self._subscribe_kv_events()
+
+    def _subscribe_kv_events(self) -> None:
+        """KV-aware routing: follow the KV events of every configured worker that publishes them."""
+        index = self.balancer.prefixes
+        subscribed = [w for w in self.balancer.all_workers() if w.cfg.kv_events]
+        if index is None or not subscribed:
+            return
+        self._zmq = zmq.asyncio.Context()
+        for w in subscribed:
+            count = functools.partial(self._count_kv_events, w.url)
+            sub = KvEventsSubscriber(w.cfg.kv_events, WorkerEvents(index, w), count, self._zmq)
+            sub.start()
+            self.kv_events.append(sub)
+
+    def _count_kv_events(self, url: str, result: str) -> None:
+        self.metrics.kv_events.labels(url, result).inc()
 
     async def initial_check(self, workers: list[Worker]) -> None:
         """One check per worker that sets its state directly (no streak needed at start-up or when added)."""
@@ -95,6 +117,10 @@ class RouterState:
     async def close(self) -> None:
         if self.checker is not None:
             await self.checker.stop()
+        for sub in self.kv_events:
+            await sub.stop()
+        if self._zmq is not None:
+            self._zmq.term()
         if self.upstream is not None:
             self.upstream.close()
         if self.tracer is not None:

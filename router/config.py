@@ -144,6 +144,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     bootstrap_port: int = 0
     # Sent upstream as ``Authorization: Bearer``; never logged.
     api_key: Secret = Secret("")
+    # ZMQ endpoint of the engine's KV event publisher (vLLM ``--kv-events-config``), "" = none (KV-aware
+    # routing then knows this worker's cache from the routing history alone).
+    kv_events: str = ""
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -260,6 +263,8 @@ def worker_errors(w: WorkerConfig, role: str, flow: Flow) -> list[str]:
         errors.append(f"url: must be the server's base, scheme://host:port without a path, got {w.url!r}")
     if role == "prefill" and flow == "pd-push" and ":" not in w.bootstrap:
         errors.append("bootstrap: pd-push prefill workers need the connector side channel as 'host:port'")
+    if w.kv_events and not w.kv_events.startswith(("tcp://", "ipc://")):
+        errors.append(f"kv_events: must be a ZMQ endpoint tcp://host:port or ipc://path, got {w.kv_events!r}")
     if role == "prefill" and flow == "sglang-bootstrap" and w.bootstrap_port <= 0:
         errors.append("bootstrap_port: sglang-bootstrap prefill workers need their bootstrap port")
     return errors

@@ -110,6 +110,13 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.kv_events = Counter(
+            "pd_router_kv_event_batches",
+            "KV event batches from the engines, by worker and result (batch; gap: some were lost, the worker's"
+            " view was cleared; undecodable: ignored)",
+            ["url", "result"],
+            registry=r,
+        )
         # The request path's children, memoized: ``labels()`` costs ~3 us a call (argument checks and a
         # lock), several times per request; these label sets are few (endpoints, routes, reasons, statuses).
         self.requests_for = _memo(self.requests)

@@ -1,8 +1,8 @@
 """Which prompt prefixes each worker probably holds in its prefix cache, as chained block hashes.
 
 Lives in the router process (one ``PrefixIndex`` per router, owned by the ``Balancer``) and is touched only
-from its event loop. The router records every prompt it routes on the workers it sent it to (``record``),
-so a later prompt that starts with the same tokens (the next turn of a conversation, an agent re-sending its
+from its event loop. The router records every prompt it routes on the workers it sent it to (``record``), and
+where an engine publishes its KV events, what it stored and evicted (``kv_events.py``), so a later prompt that starts with the same tokens (the next turn of a conversation, an agent re-sending its
 history, a shared system prompt) can be sent where those tokens are already cached (``match``).
 
 Prompts are cut into blocks of ``block_size`` tokens and each full block is named by a hash of its tokens
@@ -86,6 +86,12 @@ class PrefixIndex:
         deque(map(blocks.move_to_end, reversed(hashes[:held])), maxlen=0)
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
+
+    def remove(self, worker: Hashable, block: int) -> None:
+        """The engine evicted ``block`` (KV events, ``kv_events.py``)."""
+        blocks = self._blocks.get(worker)
+        if blocks is not None:
+            blocks.pop(block, None)
 
     def forget(self, worker: Hashable) -> None:
         """Drop everything known about ``worker`` (removed, or its cache was reset)."""
