@@ -34,6 +34,7 @@ from typing import Any
 
 from benchmarks.prompts import RealPrompts
 from pd_connector.trace import TraceRecord, read_trace
+from pd_connector.vllm.config import PDConnectorConfig
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 from pd_disagg.smollm2 import chat_model
@@ -91,12 +92,14 @@ def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
 class Cluster:
     """P, D and pd-router for one model, with the trace on; stopped by ``close`` (also on failure)."""
 
-    def __init__(self, name: str, model: Path, transport: str, max_len: int, real_text: bool) -> None:
+    def __init__(
+        self, name: str, model: Path, transport: str, idle_spin_s: float, max_len: int, real_text: bool
+    ) -> None:
         self.trace = (LOG_DIR / f"{name}-trace.jsonl").resolve()
         self.trace.parent.mkdir(parents=True, exist_ok=True)
         self.trace.unlink(missing_ok=True)
         side = free_port()
-        extra = {"transport": transport, "trace_path": str(self.trace)}
+        extra = {"transport": transport, "trace_path": str(self.trace), "idle_spin_s": idle_spin_s}
         kv = {
             "prefill": {
                 "kv_connector": "PDConnector",
@@ -274,6 +277,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "cma"])
+    parser.add_argument(
+        "--idle-spin-s",
+        type=float,
+        default=PDConnectorConfig.idle_spin_s,
+        help="the connector's idle_spin_s on P and D (1: vLLM's own spin)",
+    )
     parser.add_argument("--plot", type=Path, help="write the stage breakdown as a PNG here")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -282,7 +291,14 @@ def main() -> None:
     for name in args.models.split(","):
         model = {"smollm2": chat_model, "tiny": lambda: args.tiny_model, "bench": bench_model}[name]()
         max_len = max(lengths) + args.max_tokens + 8
-        cluster = Cluster(name, model.resolve(), args.transport, max_len, real_text=name == "smollm2")
+        cluster = Cluster(
+            name,
+            model.resolve(),
+            args.transport,
+            args.idle_spin_s,
+            max_len,
+            real_text=name == "smollm2",
+        )
         try:
             log(f"{name}: starting P, D and pd-router")
             cluster.start()
@@ -297,6 +313,7 @@ def main() -> None:
             "reps": args.reps,
             "max_tokens": args.max_tokens,
             "transport": args.transport,
+            "idle_spin_s": args.idle_spin_s,
             "flow": "pd-push",
         },
     }

@@ -5,7 +5,8 @@ Who calls what:
 
 - ``PDConnector.__init__`` (every process that builds the connector: EngineCore and workers):
   ``check_version`` and ``require("PDConnector", CONNECTOR_SYMBOLS)``, ``check_kv_cache`` (models whose
-  cache it cannot move), then ``tp_rank``;
+  cache it cannot move), then ``tp_rank`` and ``limit_busy_poll`` (``idle_spin_s``: how long EngineCore and
+  workers spin on their shared-memory queues on idle steps; the connector marks each step idle or not);
   ``WorkerSide.register_kv_caches``: ``kv_layout`` (the KV cache layout, any device).
 - ``plugin.register`` (the ``vllm.general_plugins`` entry point, every vLLM process): ``register_connector``,
   which writes the connector factory's private registry.
@@ -28,6 +29,7 @@ vLLM); each function imports what it reads.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata as metadata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,6 +110,8 @@ SCHEDULER_FIELDS = (
     "scheduler_config.long_prefill_token_threshold",
     "scheduler_config.enable_chunked_prefill",
 )
+#: What ``limit_busy_poll`` patches: the reader's wait of the shared-memory queues between EngineCore and workers.
+BUSY_POLL_SYMBOLS = ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait",)
 #: What ``pd-vllm`` hands over to once the version shim is in place.
 LAUNCHER_SYMBOLS = ("vllm.entrypoints.cli.main:main",)
 
@@ -233,6 +237,55 @@ def register_connector(name: str, module_path: str, class_name: str) -> None:
     if name in KVConnectorFactory._registry:
         return
     KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
+# ---- executor: the shared-memory queues' busy poll ------------------------------------------------------
+
+
+class BusyPoll:
+    """How long this process's shared-memory queue readers spin after a message before they sleep until
+    notified: vLLM's own (1 s) while the engine computes, ``idle_s`` while ``idle`` (the connector sets it each
+    step: True on a step that schedules no token, i.e. the engine only waits for transfers)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.idle = False
+
+
+def limit_busy_poll(idle_s: float) -> BusyPoll:
+    """Make this process's shared-memory queue readers spin at most ``idle_s`` on idle steps; the handle's
+    ``idle`` says when a step is idle.
+
+    vLLM's EngineCore and workers exchange each step over ``shm_broadcast`` queues whose readers spin
+    (``sched_yield``) for ``SpinCondition.busy_loop_s`` (1 s) after each message before sleeping on a ZMQ
+    notification. A D waiting for KV steps every few milliseconds with nothing to compute (the worker waits
+    up to ``worker_side.IDLE_STEP_PAUSE_S`` for a transfer to end), so its EngineCore spins through every one
+    of those waits and the engine takes more than a core while computing nothing; on a host where P and D
+    share cores that comes out of P's prefill (docs/performance.md ``## first_token``). On steps that compute,
+    vLLM's spin stays: it saves a wake-up per step on a busy host. Called by ``PDConnector.__init__`` in
+    EngineCore and in each worker, so only engines running the connector are changed; ``wait`` is patched on
+    the class because the queues exist before the connector does. A second call in the same process returns
+    the same handle with the new ``idle_s``.
+    """
+    require("PDConnector", BUSY_POLL_SYMBOLS)
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    installed: BusyPoll | None = getattr(SpinCondition.wait, "__pd_busy_poll__", None)
+    if installed is not None:
+        installed.idle_s = idle_s
+        return installed
+    original = SpinCondition.wait
+    poll = BusyPoll(idle_s)
+
+    @functools.wraps(original)
+    def wait(self: SpinCondition, timeout_ms: int | None = None) -> None:
+        own: float = self.__dict__.setdefault("_pd_busy_loop_s", self.busy_loop_s)
+        self.busy_loop_s = min(own, poll.idle_s) if poll.idle else own
+        original(self, timeout_ms)
+
+    wait.__pd_busy_poll__ = poll  # type: ignore[attr-defined]
+    SpinCondition.wait = wait  # type: ignore[method-assign]
+    return poll
 
 
 # ---- scheduler plugin: private queues, token budget, scheduler config ------------------------------------

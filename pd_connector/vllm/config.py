@@ -45,6 +45,10 @@ class PDConnectorConfig(ConnectorSettings):
     #: memory (host; CUDA with UCX), staged through pinned host mirrors where not (CUDA with tcp or cma).
     #: "always": staged even then (to compare, or to keep device memory away from UCX).
     kv_staging: Literal["auto", "always"] = "auto"
+    #: EngineCore and workers, on steps that compute nothing (transfers pending): how long vLLM's
+    #: shared-memory queue readers spin after a message before they sleep until notified (vLLM's own: 1 s).
+    #: Short, so an engine waiting for KV does not spin a core.
+    idle_spin_s: float = 0.001
     #: Append one JSON line per transfer (request id, transfer id, when each stage happened) to this file
     #: ("" = off); every worker of the engine appends to it (docs/architecture.md, First-token trace).
     trace_path: str = ""
@@ -59,6 +63,8 @@ class PDConnectorConfig(ConnectorSettings):
             raise SettingError("side_channel_port", f"out of range: {self.side_channel_port}")
         if self.kv_staging not in ("auto", "always"):
             raise SettingError("kv_staging", f"must be 'auto' or 'always', got {self.kv_staging!r}")
+        if not 0 <= self.idle_spin_s <= 1:
+            raise SettingError("idle_spin_s", f"must be 0-1 s, got {self.idle_spin_s}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PDConnectorConfig:

@@ -18,7 +18,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pd_connector.vllm.compat import CONNECTOR_SYMBOLS, check_kv_cache, check_version, require, tp_rank
+from pd_connector.vllm.compat import (
+    CONNECTOR_SYMBOLS,
+    check_kv_cache,
+    check_version,
+    limit_busy_poll,
+    require,
+    tp_rank,
+)
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata
 from pd_connector.vllm.scheduler_side import SchedulerSide
@@ -56,6 +63,8 @@ class PDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = self._kv_transfer_config
         self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        # Engine spin on steps that compute nothing; set per step in build_connector_meta / bind_connector_metadata.
+        self._busy_poll = limit_busy_poll(self._config.idle_spin_s)
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -109,7 +118,9 @@ class PDConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._work.bind(self._meta())
+        meta = self._meta()
+        self._busy_poll.idle = meta.idle_step  # this step and the wait for the next one
+        self._work.bind(meta)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work.start_load_kv(self._meta())
@@ -174,7 +185,9 @@ class PDConnector(KVConnectorBase_V1):
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        meta = self._sched.build_connector_meta(scheduler_output)
+        self._busy_poll.idle = meta.idle_step  # EngineCore's wait for this step's output
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -4,8 +4,11 @@ missing symbol otherwise)."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +42,11 @@ def test_the_installed_vllm_passes() -> None:
 # ---- the start-up checks of compat: every vLLM internal pd-disagg touches, named when missing ----
 
 ALL_SYMBOLS = (
-    compat.CONNECTOR_SYMBOLS + compat.PLUGIN_SYMBOLS + compat.SCHEDULER_SYMBOLS + compat.LAUNCHER_SYMBOLS
+    compat.CONNECTOR_SYMBOLS
+    + compat.PLUGIN_SYMBOLS
+    + compat.SCHEDULER_SYMBOLS
+    + compat.LAUNCHER_SYMBOLS
+    + compat.BUSY_POLL_SYMBOLS
 )
 
 
@@ -126,3 +133,69 @@ def test_models_whose_cache_pdconnector_cannot_move_are_refused_naming_why() -> 
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
     with pytest.raises(ValueError, match="a MLAAttentionSpec KV cache; PDConnector moves full-attention"):
         compat.check_kv_cache(_config(mla))
+
+
+# ---- the shared-memory queues' busy poll ----
+
+
+@pytest.fixture
+def spin_reader() -> Iterator[Any]:
+    """A reader and a writer of vLLM's real ``SpinCondition`` (what its shared-memory queues wait on), with
+    vLLM's own ``wait`` (a connector built by an earlier test may have patched the class), restored after."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    original = SpinCondition.wait
+    SpinCondition.wait = getattr(original, "__wrapped__", original)  # type: ignore[method-assign]
+    context = zmq.Context()
+    address = get_open_zmq_ipc_path()
+    writer = SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=context, notify_address=address)
+    yield reader, writer
+    SpinCondition.wait = original  # type: ignore[method-assign]
+    for condition in (reader, writer):
+        for sock in (
+            condition.local_notify_socket,
+            condition.read_cancel_socket,
+            condition.write_cancel_socket,
+        ):
+            if sock is not None:
+                sock.close(linger=0)
+    context.term()
+
+
+def cpu_share_of_waiting(reader: Any, seconds: float) -> float:
+    """CPU time this process spends per second of wall time while ``reader`` waits with nothing written."""
+    reader.record_read()
+    wall, cpu = time.monotonic(), time.process_time()
+    while time.monotonic() - wall < seconds:
+        reader.wait(timeout_ms=20)
+    return (time.process_time() - cpu) / (time.monotonic() - wall)
+
+
+def test_limit_busy_poll_lets_a_reader_sleep_on_idle_steps_only_and_still_wakes_it(
+    spin_reader: tuple[Any, Any],
+) -> None:
+    reader, writer = spin_reader
+    # vLLM's own: sched_yield for 1 s after each message (a core's worth, less what other processes take).
+    spinning = cpu_share_of_waiting(reader, 0.2)
+    poll = compat.limit_busy_poll(0.5)
+    assert (
+        compat.limit_busy_poll(0.001) is poll
+    )  # EngineCore's and a worker's connector in one process: one cap
+    computing = cpu_share_of_waiting(reader, 0.2)  # not idle: vLLM's spin stays
+    poll.idle = True
+    sleeping = cpu_share_of_waiting(reader, 0.2)
+    assert reader.busy_loop_s == 0.001
+    assert spinning > 0.1 and computing > 0.1 and sleeping < min(spinning, computing) / 3, (
+        spinning,
+        computing,
+        sleeping,
+    )
+    # A notification still ends the wait at once, well before its timeout.
+    reader.last_read = 0.0
+    writer.notify()
+    start = time.monotonic()
+    reader.wait(timeout_ms=5000)
+    assert time.monotonic() - start < 1.0
