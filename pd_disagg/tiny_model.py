@@ -20,6 +20,7 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pd_disagg import smollm2
 
@@ -53,7 +54,32 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_elem
 
 
-PRESETS: dict[str, ModelSpec] = {
+@dataclass(frozen=True)
+class MLASpec:
+    """Shape of a random DeepSeek-V2-style model with multi-head latent attention (MLA): its KV cache is one
+    latent vector per token and layer (``kv_lora_rank + qk_rope_head_dim``), no K/V heads. vLLM's CPU MLA
+    kernel takes latents of 576 only (DeepSeek's 512 + 64), so those two stay; the rest is small. MoE layers
+    are left out (every layer dense): the test is about the cache, not the experts."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_heads: int = 4
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    intermediate_size: int = 512
+    vocab_size: int = 2048
+    max_position_embeddings: int = 2048
+    seed: int = 0
+    init_std: float = 0.08
+
+    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
+        """Bytes of the latent per token over all layers (the quantity the connector moves)."""
+        return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_elem
+
+
+PRESETS: dict[str, ModelSpec | MLASpec] = {
     "tiny": ModelSpec(),
     # Large enough that a ~2k-token prefill takes seconds on a CPU (head-of-line blocking, layer overlap).
     "bench": ModelSpec(
@@ -67,6 +93,7 @@ PRESETS: dict[str, ModelSpec] = {
         max_position_embeddings=4096,
         init_std=0.04,
     ),
+    "tiny-mla": MLASpec(),
 }
 
 
@@ -114,16 +141,68 @@ def build_tokenizer(vocab_size: int) -> object:
     return fast
 
 
-def build(out: Path, spec: ModelSpec) -> Path:
+def build(out: Path, spec: ModelSpec | MLASpec) -> Path:
     """Write config, bf16 safetensors and tokenizer to ``out`` atomically; reuse it if already built."""
     marker = out / "pd_tiny_model.json"
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = build_tokenizer(spec.vocab_size)
     torch.manual_seed(spec.seed)
+    model = _llama(spec, tokenizer) if isinstance(spec, ModelSpec) else _deepseek_v2(spec, tokenizer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, spec.init_std)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
+        (tmp / "pd_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _deepseek_v2(spec: MLASpec, tokenizer: Any) -> Any:
+    """A DeepSeek-V2 model of ``spec`` (random weights drawn by the caller)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        kv_lora_rank=spec.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        first_k_dense_replace=spec.num_layers,  # every layer dense
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    return DeepseekV2ForCausalLM(config)
+
+
+def _llama(spec: ModelSpec, tokenizer: Any) -> Any:
+    """A Llama model of ``spec`` (random weights drawn by the caller)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -134,31 +213,13 @@ def build(out: Path, spec: ModelSpec) -> Path:
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.init_std,
-        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
-        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
-        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
         dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, spec.init_std)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)  # type: ignore[arg-type]
-        tokenizer.save_pretrained(tmp)  # type: ignore[attr-defined]
-        (tmp / "pd_tiny_model.json").write_text(json.dumps(asdict(spec), indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return LlamaForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> int:
