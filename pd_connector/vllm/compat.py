@@ -158,11 +158,16 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     """Why PDConnector cannot move this model's KV cache, or None.
 
     It moves one full-attention cache whose block table covers every token (what the scheduler side plans
-    with ``get_block_ids()[0]``). A hybrid model has several KV cache groups (full attention next to sliding
-    window or Mamba/SSM state), and MLA, sliding-window and state caches lay out or drop tokens differently:
-    moving only the first group would leave the others empty and decode from them.
+    with ``get_block_ids()[0]``): K/V heads, or MLA's latent (DeepSeek-V2/V3: one vector per token). A hybrid
+    model has several KV cache groups (full attention next to sliding window or Mamba/SSM state), and
+    sliding-window, state and DeepSeek-V4's sparse or fp8 MLA caches lay out or drop tokens differently:
+    moving only the first group would leave the others empty and decode from them. MLA on vLLM's CPU platform
+    is refused too: the latent moves exactly, but D's answers differed from P's in our integration run
+    (docs/architecture.md ``## GPU KV caches and attention layouts``); vLLM turns prefix caching off for MLA
+    on CPU, and a P->D load is a prefix D attends over.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     kinds = [type(group.kv_cache_spec).__name__ for group in groups]
@@ -171,10 +176,22 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
             f"a hybrid model ({len(groups)} KV cache groups: {', '.join(kinds)}); PDConnector moves one "
             "full-attention cache and supports no hybrid, sliding-window or Mamba/SSM state caches"
         )
-    if type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+    spec = groups[0].kv_cache_spec
+    plain_mla = (
+        type(spec) is MLAAttentionSpec
+        and spec.model_version is None
+        and spec.alignment is None
+        and spec.cache_dtype_str in (None, "auto")
+    )
+    if type(spec) is not FullAttentionSpec and not plain_mla:
         return (
-            f"a {kinds[0]} KV cache; PDConnector moves full-attention caches only (no MLA, sliding-window, "
-            "chunked-local or Mamba/SSM state caches)"
+            f"a {kinds[0]} KV cache; PDConnector moves full-attention and plain MLA caches only (no sparse or "
+            "fp8 MLA, sliding-window, chunked-local or Mamba/SSM state caches)"
+        )
+    if plain_mla and current_platform.is_cpu():
+        return (
+            "an MLA model on vLLM's CPU platform, which serves MLA without prefix caching: a decode node "
+            "attending over a latent loaded from P answered differently from P (not supported)"
         )
     return None
 

@@ -131,8 +131,22 @@ def test_models_whose_cache_pdconnector_cannot_move_are_refused_naming_why() -> 
     ):
         compat.check_kv_cache(_config(full, window))
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    with pytest.raises(ValueError, match="a MLAAttentionSpec KV cache; PDConnector moves full-attention"):
+    # MLA on vLLM's CPU platform: refused, naming why (docs/architecture.md) ...
+    with pytest.raises(ValueError, match="an MLA model on vLLM's CPU platform"):
         compat.check_kv_cache(_config(mla))
+    # ... on other platforms (CUDA) DeepSeek-V2/V3's plain latent is accepted
+    from vllm.platforms import current_platform
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(current_platform, "is_cpu", lambda: False)
+        compat.check_kv_cache(_config(mla))
+    fp8 = MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=576, dtype=torch.uint8, cache_dtype_str="fp8_ds_mla"
+    )
+    with pytest.raises(
+        ValueError, match="a MLAAttentionSpec KV cache; PDConnector moves full-attention and plain"
+    ):
+        compat.check_kv_cache(_config(fp8))
 
 
 # ---- the shared-memory queues' busy poll ----
