@@ -1,18 +1,38 @@
-"""KV-aware routing: what a routing decision costs the router with many conversations cached.
+"""KV-aware routing on real vLLM CPU servers, and what a routing decision costs the router.
 
+    python -m benchmarks.kv_routing [--model DIR] [--conversations 6] [--turns 4] [--agents 4] [--steps 4]
     python -m benchmarks.kv_routing --decision-only [--conversations 10000] [--decisions 5000]
 
-In one process, no servers: a ``Balancer`` with two decode and one prefill worker and KV-aware routing on
-(block size 16) is filled with ``--conversations`` chat histories (a 256-token shared system prompt and
-512 tokens of their own, each recorded on the D it was placed on and on P), then routes ``--decisions`` new
-turns of random conversations (the history plus 64 new tokens). Per turn it times, in wall time
-(``perf_counter_ns``) and in this thread's CPU time (``thread_time_ns``: the same minus the time the process
-was preempted, which on a shared host is most of the wall-time tail): hashing the prompt's ids (``Balancer.hashes``, done once per request after tokenizing)
-and the decision itself: placing D (``place_decode``: a lookup per D until the first miss, the cost), the
-policy on the uncached tokens, choosing P and recording the prompt on the chosen workers, which is what
-the router does per request between tokenizing and sending (``Proxy._decide`` and ``_attempts``). Reported:
-p50/p99 of each in microseconds, the table's size and memory, and the share of turns placed on the D that
-held their history. Target (issue 21): decision p99 <= 200 us at 10k conversations.
+End to end (default): one prefill and two decode vLLM servers (PDConnector, tiny model unless ``--model``,
+block size 32, prefix caching on, P and D0 on core 0, D1 on core 1) behind three routers, measured one after
+the other on the same servers: ``ours`` (pd-router, KV-aware), ``ours_off`` (pd-router with
+``kv_routing.enabled = false``: power of two choices, disaggregation on whole prompts) and ``sglang`` (sglang-router
+0.3.2's ``cache_aware`` policy over the two decode servers in local mode, i.e. each prefills its requests
+itself). Two workloads per router, streamed chat requests, greedy, 16 tokens:
+
+- ``multi_turn``: ``--conversations`` conversations at once, each ``--turns`` turns in sequence; a shared system
+  prompt (~150 words), each turn a ~30-word user message, the answers appended to the history;
+- ``agent``: ``--agents`` agents at once sharing a long tool prompt (~200 words), each ``--steps`` steps whose
+  history grows by a ~25-word tool result.
+
+Every (router, workload) run has text of its own (seeded per run), so no run finds another's blocks cached.
+Per run: ``ttft_ms`` p50/p99 (client side, to the first content event), ``goodput_rps`` (requests per second
+of the run's wall time, all requests succeeded), and from the engines' own counters over the run:
+``prefill_tokens_computed`` (``vllm:prompt_tokens_by_source_total{source="local_compute"}`` summed over the
+three servers: P's and D's) and ``prefix_hit_rate`` (their ``local_cache_hit`` tokens over all their prompt
+tokens). Only two cores serve three engines, a router and this client: TTFT here is dominated by CPU
+contention; the token counts are the robust figures.
+
+Decision only (``--decision-only``): in one process, no servers: a ``Balancer`` with two decode and one prefill
+worker and KV-aware routing on (block size 16) is filled with ``--conversations`` chat histories (a 256-token
+shared system prompt and 512 tokens of their own, each recorded on the D it was placed on and on P), then
+routes ``--decisions`` new turns of random conversations (the history plus 64 new tokens). Per turn it times,
+in wall time (``perf_counter_ns``) and in this thread's CPU time (``thread_time_ns``: the same minus the time
+the process was preempted, which on a shared host is most of the wall-time tail): hashing the prompt's ids
+(``Balancer.hashes``, done once per request after tokenizing) and the decision itself: placing D
+(``place_decode``), the policy on the uncached tokens, choosing P and recording the prompt on the chosen
+workers, which is what the router does per request between tokenizing and sending (``Proxy._decide`` and
+``_attempts``). Target (issue 21): decision p99 <= 200 us at 10k conversations.
 
 Progress goes to stderr; the LAST stdout line is the JSON result.
 """
@@ -20,12 +40,21 @@ Progress goes to stderr; the LAST stdout line is the JSON result.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+
+from integration_tests.pd_checks import metric
+from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
+from pd_disagg.servers import ManagedServer, free_port
 from router.balancer import Balancer
 from router.config import CircuitConfig, KvRoutingConfig, PolicyConfig, WorkerConfig
 from router.policy import PolicyInput, Route, ThresholdPolicy
@@ -105,15 +134,228 @@ def decision_cost(conversations: int, decisions: int, seed: int = 0) -> dict:
     }
 
 
+ROUTERS = ("ours", "ours_off", "sglang")
+WORKLOADS = ("multi_turn", "agent")
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 16
+ENGINE_BLOCK = 32  # VLLM_CPU_ARGS' --block-size
+
+
+def _log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+        for _ in range(words)
+    )
+
+
+async def _turn(
+    session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
+) -> tuple[float, str]:
+    """One streamed greedy chat request; (seconds to the first content event, the answer)."""
+    body = {"model": "m", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    start = time.monotonic()
+    first: float | None = None
+    parts: list[str] = []
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            content = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if content:
+                first = first if first is not None else time.monotonic() - start
+                parts.append(content)
+    return (first if first is not None else time.monotonic() - start), "".join(parts)
+
+
+async def _workload(
+    url: str, kind: str, args: argparse.Namespace, seed: int
+) -> tuple[list[float], int, float]:
+    """Run one workload through ``url``; (TTFTs, requests, wall seconds)."""
+    rng = random.Random(seed)
+    ttfts: list[float] = []
+    if kind == "multi_turn":
+        shared = _text(rng, 150)
+        streams = [
+            [f"Conversation {i}. " + _text(rng, 30) for _ in range(args.turns)]
+            for i in range(args.conversations)
+        ]
+        system = [{"role": "system", "content": shared}]
+    else:
+        shared = _text(rng, 200)
+        streams = [
+            [f"Task {i}: " + _text(rng, 20)]
+            + [f"Tool result: {_text(rng, 25)}" for _ in range(args.steps - 1)]
+            for i in range(args.agents)
+        ]
+        system = [{"role": "system", "content": "Tools: " + shared}]
+
+    async def one(session: aiohttp.ClientSession, turns: list[str]) -> None:
+        history = list(system)
+        for user in turns:
+            history.append({"role": "user", "content": user})
+            ttft, answer = await _turn(session, url, history)
+            ttfts.append(ttft)
+            history.append({"role": "assistant", "content": answer})
+
+    start = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(session, turns) for turns in streams))
+    return ttfts, sum(len(t) for t in streams), time.monotonic() - start
+
+
+def _sources(urls: list[str]) -> dict[str, float]:
+    name = "vllm:prompt_tokens_by_source_total"
+    return {
+        src: sum(metric(u, name, {"source": src}) for u in urls)
+        for src in ("local_compute", "local_cache_hit")
+    }
+
+
+def _engines(model: Path, logs: Path) -> tuple[list[ManagedServer], str]:
+    side = free_port()
+    common = {"kv_load_failure_policy": "recompute"}
+
+    def engine(role: str, name: str, core: int, extra: dict[str, Any]) -> ManagedServer:
+        return vllm_server(
+            model,
+            log_dir=logs,
+            name=name,
+            cpu_core=core,
+            dtype="float32",
+            max_model_len=2048,
+            extra_args=["--served-model-name", "m"],
+            kv_transfer_config={
+                "kv_connector": "PDConnector",
+                "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                **common,
+                "kv_connector_extra_config": extra,
+            },
+        )
+
+    p_addr = f"127.0.0.1:{side}"
+    servers = [
+        engine("prefill", "kv-p", 0, {"side_channel_port": side}),
+        engine("decode", "kv-d0", 0, {"allowed_prefill_addrs": [p_addr]}),
+        engine("decode", "kv-d1", 1, {"allowed_prefill_addrs": [p_addr]}),
+    ]
+    return servers, p_addr
+
+
+def _routers(
+    model: Path, logs: Path, tmp: Path, p: str, p_addr: str, ds: list[str]
+) -> dict[str, ManagedServer]:
+    routers = {}
+    for name, kv in (("ours", {"block_size": ENGINE_BLOCK}), ("ours_off", {"enabled": False})):
+        config = write_router_config(
+            tmp / f"{name}.toml",
+            flow="pd-push",
+            sections={
+                "model": {"path": str(model), "served_names": ["m"], "max_model_len": 2048},
+                "policy": {"threshold_tokens": 256},
+                "kv_routing": kv,
+            },
+            prefill=[{"url": p, "bootstrap": p_addr}],
+            decode=[{"url": d} for d in ds],
+        )
+        routers[name] = router_server(config, log_dir=logs, port=free_port(), name=f"kv-{name}", cwd=ROOT)
+    port = free_port()
+    routers["sglang"] = ManagedServer(
+        "sglang-router",
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *ds,
+            "--port",
+            str(port),
+            "--policy",
+            "cache_aware",
+            "--log-level",
+            "warn",
+        ],
+        logs / f"sglang-router-{port}.log",
+        f"http://127.0.0.1:{port}/health",
+        cwd=ROOT,
+    )
+    return routers
+
+
+def end_to_end(args: argparse.Namespace) -> dict:
+    logs = ROOT / "logs" / "benchmarks"
+    engines, p_addr = _engines(args.model, logs)
+    started: list[ManagedServer] = []
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for s in engines:
+            started.append(s.start())
+        for s in engines:
+            s.wait_healthy(600)
+        urls = [base_url(s) for s in engines]
+        with tempfile.TemporaryDirectory() as tmp:
+            routers = _routers(args.model, logs, Path(tmp), urls[0], p_addr, urls[1:])
+            for r in routers.values():
+                started.append(r.start())
+            for r in routers.values():
+                r.wait_healthy(120)
+            _log("servers up")
+            for i, name in enumerate(ROUTERS):
+                url = base_url(routers[name])
+                for j, kind in enumerate(WORKLOADS):
+                    before = _sources(urls)
+                    ttfts, requests, wall = asyncio.run(_workload(url, kind, args, 1000 * i + j))
+                    after = _sources(urls)
+                    computed = after["local_compute"] - before["local_compute"]
+                    hit = after["local_cache_hit"] - before["local_cache_hit"]
+                    results.setdefault(name, {})[kind] = {
+                        "requests": requests,
+                        "ttft_ms": {
+                            "p50": 1000 * _percentile(ttfts, 0.5),
+                            "p99": 1000 * _percentile(ttfts, 0.99),
+                        },
+                        "prefill_tokens_computed": computed,
+                        "prefix_hit_rate": hit / (hit + computed) if hit + computed else 0.0,
+                        "goodput_rps": requests / wall,
+                    }
+                    _log(name, kind, json.dumps(results[name][kind]))
+    finally:
+        for s in reversed(started):
+            s.stop()
+    ratios = {
+        kind: {
+            "computed_ours_over_off": results["ours"][kind]["prefill_tokens_computed"]
+            / max(1.0, results["ours_off"][kind]["prefill_tokens_computed"]),
+            "ttft_p50_ours_over_sglang": results["ours"][kind]["ttft_ms"]["p50"]
+            / results["sglang"][kind]["ttft_ms"]["p50"],
+        }
+        for kind in WORKLOADS
+    }
+    return {"routers": results, "ratios": ratios}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--decision-only", action="store_true", required=True, help="the in-process cost only"
-    )
-    parser.add_argument("--conversations", type=int, default=10_000)
+    parser.add_argument("--decision-only", action="store_true", help="the in-process decision cost only")
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "models" / "tiny-llama")
+    parser.add_argument("--conversations", type=int, default=None)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--decisions", type=int, default=5_000)
     args = parser.parse_args(argv)
-    result = {"decision": decision_cost(args.conversations, args.decisions)}
+    if args.decision_only:
+        result = {"decision": decision_cost(args.conversations or 10_000, args.decisions)}
+    else:
+        args.conversations = args.conversations or 6
+        result = end_to_end(args)
     print(json.dumps(result))
     return 0
 
