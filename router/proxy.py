@@ -176,7 +176,7 @@ class Proxy:
         hashes: list[int],
     ) -> Reply | None:
         """``placed``: the first attempt's decode worker; ``hashes``: the prompt's block hashes (KV-aware
-        routing; empty when off), by which retries place theirs and the workers used are recorded."""
+        routing; empty when off), by which retries place theirs and the workers that served it are recorded."""
         failed: set[Worker] = set()
         last: UpstreamError | None = None
         missing = "decode"  # which pool ran out of workers, when one did before any attempt
@@ -195,13 +195,18 @@ class Proxy:
             if prefill is None and route is Route.DISAGG and not self.cfg.decode_prefills():
                 missing = "prefill"
                 break
-            b.record(hashes, decode, prefill)
             stamps = Stamps(start) if prefill is not None else None
             ending = "ok"
             try:
                 if parsed.stream:
-                    return await self._stream(client, parsed, path, decode, prefill, failed, start, stamps)
-                return await self._unary(parsed, path, decode, prefill, failed, stamps)
+                    reply = await self._stream(client, parsed, path, decode, prefill, failed, start, stamps)
+                else:
+                    reply = await self._unary(parsed, path, decode, prefill, failed, stamps)
+                # Recorded once served, not when sent: until then its blocks are being computed, and requests
+                # sharing its prefix that arrive meanwhile (a system prompt's first users) would be sent to
+                # D alone to compute it all themselves.
+                b.record(hashes, decode, prefill)
+                return reply
             except UpstreamError as e:
                 ending = e.kind
                 if e.client_error:
