@@ -87,11 +87,6 @@ def coalesce_small(copies: Sequence[BlockCopy]) -> list[Run]:
     return runs
 
 
-def coalesce(copies: Sequence[BlockCopy]) -> list[BlockCopy]:
-    """``coalesce_runs`` as ``BlockCopy`` objects (for callers and tests that want the public type)."""
-    return [BlockCopy(int(r), int(s), int(d), int(n)) for r, s, d, n in coalesce_runs(copies)]
-
-
 def _check_no_overlapping_destinations(table: RunTable) -> None:
     by_dst = table[np.lexsort((table[:, DST], table[:, REGION]))]
     same_region = by_dst[1:, REGION] == by_dst[:-1, REGION]

@@ -61,7 +61,9 @@ class PDConnector(KVConnectorBase_V1):
         require("PDConnector", CONNECTOR_SYMBOLS)
         check_kv_cache(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
-        transfer = self._kv_transfer_config
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None:
+            raise ValueError("PDConnector needs --kv-transfer-config")
         self._config = PDConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         # Engine spin on steps that compute nothing; set per step in build_connector_meta / bind_connector_metadata.
         self._busy_poll = limit_busy_poll(self._config.idle_spin_s)

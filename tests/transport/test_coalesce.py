@@ -11,8 +11,13 @@ from hypothesis import strategies as st
 
 from pd_connector.transport import regions
 from pd_connector.transport.base import BlockCopy
-from pd_connector.transport.coalesce import SMALL_COPIES, coalesce, coalesce_small, coalesce_vectorised
+from pd_connector.transport.coalesce import SMALL_COPIES, coalesce_runs, coalesce_small, coalesce_vectorised
 from pd_connector.transport.regions import RegionIndex, RegionInfo, Spans, plan
+
+
+def coalesce(copies: list[BlockCopy]) -> list[BlockCopy]:
+    """``coalesce_runs``' table as ``BlockCopy`` rows, to compare with the input's type."""
+    return [BlockCopy(*(int(x) for x in row)) for row in coalesce_runs(copies)]
 
 
 def test_contiguous_blocks_become_one_run() -> None:
