@@ -2,7 +2,7 @@
 
 A helper (a receiver that owns target memory, or a sender that drives one data path) prints ``READY`` once it
 is set up (followed by its descriptor in hex when it has one), answers commands read from its stdin, and ends on
-``exit``. ``benchmarks.transport`` and ``benchmarks.tp_pairs`` start theirs with ``Helper`` (orchestrator side)
+``exit``. ``benchmarks.transport``, ``benchmarks.tp_pairs`` and ``benchmarks.transfer_engine`` start theirs with ``Helper`` (orchestrator side)
 and serve with ``wait_for_exit`` (helper side).
 """
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -29,6 +28,7 @@ import uuid
 import msgspec
 import numpy as np
 
+from benchmarks.helper_process import Helper, wait_for_exit
 from pd_connector.layout import BlockMapping, KVLayout
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.base import Transport
@@ -81,16 +81,16 @@ def serve(mode: str, kind: str, tls: str) -> None:
     transport = make_transport(kind, tls)
     if mode == "raw":
         print("READY", transport.register(LAYOUT.regions(bufs)).hex(), flush=True)
-        sys.stdin.readline()
+        wait_for_exit()
         transport.close()
         return
     config = TransferConfig(engine_id=f"bench-d-{uuid.uuid4().hex[:6]}", load_timeout_s=120)
     engine = TransferEngine(config, LAYOUT, bufs, transport)
     print("READY -", flush=True)
     for line in sys.stdin:
-        cmd = msgspec.json.decode(line)
-        if cmd["cmd"] == "exit":
+        if line.strip() == "exit":
             break
+        cmd = msgspec.json.decode(line)
         engine.expect(cmd["id"], cmd["addr"], cmd["dst"], cmd["tokens"])
         while not (results := engine.poll()):
             time.sleep(0.0005)
@@ -98,33 +98,10 @@ def serve(mode: str, kind: str, tls: str) -> None:
     engine.close()
 
 
-class Receiver:
-    def __init__(self, mode: str, kind: str, tls: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.transfer_engine", "--serve", mode, "--kind", kind, "--tls", tls],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=CLEAN_ENV,
-        )  # fmt: skip
-        self.ready = self.line("READY")
-
-    def line(self, tag: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(tag + " "):
-                return line.split()[1]
-        raise RuntimeError(f"receiver exited before {tag}")
-
-    def send(self, **cmd: object) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(msgspec.json.encode(cmd).decode() + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        try:
-            self.send(cmd="exit")
-            self.proc.wait(30)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
+def receiver(mode: str, kind: str, tls: str) -> Helper:
+    """The decode side's process (``serve``), once it printed READY."""
+    argv = [sys.executable, "-m", "benchmarks.transfer_engine", "--serve", mode, "--kind", kind, "--tls", tls]
+    return Helper(argv, f"{mode} receiver", env=CLEAN_ENV)
 
 
 Map = tuple[list[int], list[int], int]  # (P blocks, D blocks, tokens)
@@ -134,11 +111,11 @@ class RawSide:
     """The ceiling: our transport alone, writes posted back to back and polled like the engine's results."""
 
     def __init__(self, kind: str, tls: str) -> None:
-        self.receiver = Receiver("raw", kind, tls)
+        self.receiver = receiver("raw", kind, tls)
         self.arrays, bufs = buffers(1)
         self.transport = make_transport(kind, tls)
         self.transport.register(LAYOUT.regions(bufs))
-        self.transport.attach("d", bytes.fromhex(self.receiver.ready)).result(30)
+        self.transport.attach("d", self.receiver.descriptor).result(30)
         self.mapping = BlockMapping(LAYOUT, LAYOUT)
 
     def once(self, m: Map, tid: str) -> float:
@@ -161,7 +138,7 @@ class EngineSide:
     """Prefill ``TransferEngine`` here, decode engine in the receiver; timed from first push to DONE."""
 
     def __init__(self, kind: str, tls: str) -> None:
-        self.receiver = Receiver("engine", kind, tls)
+        self.receiver = receiver("engine", kind, tls)
         self.arrays, bufs = buffers(1)
         config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120)
         self.engine = TransferEngine(config, LAYOUT, bufs, make_transport(kind, tls))
@@ -170,7 +147,8 @@ class EngineSide:
 
     def once(self, m: Map, tid: str) -> float:
         src, dst, tokens = m
-        self.receiver.send(cmd="expect", id=tid, addr=self.address, dst=dst, tokens=tokens)
+        command = {"cmd": "expect", "id": tid, "addr": self.address, "dst": dst, "tokens": tokens}
+        self.receiver.send(msgspec.json.encode(command).decode())
         deadline = time.monotonic() + 60
         while self.engine.table_sizes()["orphan_destinations"] == 0:  # D's destinations are here
             if time.monotonic() > deadline:
@@ -184,7 +162,7 @@ class EngineSide:
         while not (results := self.engine.poll()):
             time.sleep(0.0002)
         elapsed = time.perf_counter() - t0
-        if results[0].state is not TransferState.DONE or self.receiver.line("RESULT") != "done":
+        if results[0].state is not TransferState.DONE or self.receiver.expect("RESULT") != ["done"]:
             raise RuntimeError(f"transfer {tid} did not complete: {results[0]}")
         return elapsed
 
