@@ -12,6 +12,7 @@ import numpy as np
 from pd_connector.layout import KVLayout
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import Transport
+from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 
 #: Scheduling slack added to every "ends within its timeout" bound: the machine is shared and loaded.
 SLACK_S = 2.0
@@ -111,3 +112,37 @@ def assert_no_state(*engines: TransferEngine) -> None:
 
 
 DONE = TransferState.DONE
+
+
+#: Fast heartbeats and abort grace, so failure tests end in a second.
+FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "abort_grace_s": 0.5}
+
+
+class Pair:
+    """A prefill engine (listening) and a decode engine on one loopback fabric."""
+
+    def __init__(self, p_layout: KVLayout = SMALL, d_layout: KVLayout = SMALL, **config: object) -> None:
+        self.fabric = LoopbackFabric()
+        self.pc, self.dc = KVCache(p_layout, 32, seed=1), KVCache(d_layout, 32, seed=None)
+        cfg = {**FAST, **config}
+        self.p = make_engine(self.pc, LoopbackTransport(self.fabric), True, "P", **cfg)
+        self.d = make_engine(self.dc, LoopbackTransport(self.fabric), False, "D", **cfg)
+
+    def push_all(self, tid: str, src: list[int], first_token: int | None = None) -> None:
+        self.p.offer(tid, src)
+        for layer in range(self.pc.layout.num_layers):
+            self.p.push_layer(tid, layer)
+        self.p.finish(tid, first_token)
+
+    def assert_copied(self, src: list[int], dst: list[int], num_tokens: int, start_token: int = 0) -> None:
+        """Tokens ``[start_token, num_tokens)`` equal on both sides; D's earlier tokens untouched (zero)."""
+        cut = start_token * self.dc.layout.token_bytes
+        for region in range(len(self.pc.arrays)):
+            want, got = self.pc.tokens(region, src, num_tokens), self.dc.tokens(region, dst, num_tokens)
+            assert want[cut:] == got[cut:], region
+            assert not any(got[:cut]), region
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+        assert len(self.fabric) == 0  # every registration released
