@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pd_connector.kv_tensors import KVTensors, describe
-from pd_connector.layout import BlockMapping, LayoutMismatch, check_compatible, head_plan
+from pd_connector.layout import BlockMapping, HeadSlice, LayoutMismatch, check_compatible, head_plan
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.regions import host_view
 
@@ -123,6 +123,28 @@ def test_bytes_land_exactly_between_any_two_layouts(kinds: tuple[str, str], data
     untouched = sorted(set(range(40)) - set(dst))
     for layer in range(layers):
         assert not d_t[layer][_index(d_axes, untouched[0], 0, 0, 0)].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(sorted(KINDS)), data=st.data())
+def test_whole_blocks_of_alike_layouts_take_block_arithmetic_with_the_same_runs(
+    kind: str, data: st.DataObject
+) -> None:
+    """P and D laid out alike, whole blocks: ``runs`` maps block by block (O(blocks), the common case of one
+    model on both sides) where a block is one dense run of vectors, and gives exactly the runs of placing
+    every vector; interleaved layers (blocks not dense) take the vector path."""
+    heads = 1 if kind == "mla" else data.draw(st.sampled_from([1, 2, 3]), "heads")
+    bt = data.draw(st.sampled_from([1, 2, 4, 8]), "bt")
+    layout = describe(KINDS[kind][1](2, 40, bt, heads), KINDS[kind][0]).layout
+    blocks = data.draw(st.integers(1, 20), "blocks")
+    first = data.draw(st.integers(0, blocks - 1), "first")
+    src = data.draw(st.permutations(range(40)), "src")[:blocks]
+    dst = data.draw(st.permutations(range(40)), "dst")[:blocks]
+    mapping = BlockMapping(layout, layout)
+    every_head = HeadSlice(0, 0, 0, layout.num_kv_heads)
+    start, end = first * bt, blocks * bt
+    assert mapping.runs(src, dst, start, end) == mapping.vector_runs(src, dst, start, end, every_head)
+    assert bool(mapping._whole_block_vectors(every_head, start, end)) == (kind != "vllm_blhnc")
 
 
 @settings(max_examples=60, deadline=None)
