@@ -101,7 +101,9 @@ def describe(
         head_dim=vec,
         dtype=dtype,
         kv_split=split,
-        token_major=size["h"] == 1 or size["t"] == 1 or vectors["t"] > vectors["h"],
+        # By the strides, also for one head (a TP rank's share of vLLM's [blocks, heads, tokens, K|V] stays
+        # heads-major, so its blocks move whole as on every other TP size); MLA's latent has no heads.
+        token_major="k" not in axes or size["t"] == 1 or vectors["t"] > vectors["h"],
         tp_size=tp_size,
         tp_rank=tp_rank,
         total_kv_heads=total_kv_heads,

@@ -311,8 +311,15 @@ def _rank_of(model: KVLayout, tp_size: int, tp_rank: int) -> KVLayout:
     """A layout of rank ``tp_rank`` of an engine with TP ``tp_size`` serving ``model``'s KV heads."""
     total = model.model_kv_heads
     heads = rank_heads(tp_size, tp_rank, total)
+    # Explicit strides describe ``model``'s own head count; another count gets the flags' default strides.
+    strides = model.strides if len(heads) == model.num_kv_heads else ()
     return msgspec.structs.replace(
-        model, tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=len(heads), total_kv_heads=total
+        model,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        num_kv_heads=len(heads),
+        total_kv_heads=total,
+        strides=strides,
     )
 
 

@@ -202,3 +202,21 @@ def test_token_major_caches_of_different_tp_move_a_run_per_token() -> None:
     assert runs == [(2 * t, 4 * t + 2, 2) for t in range(4)]
     with pytest.raises(LayoutMismatch, match="model_kv_heads: prefill 2 vs decode 4"):
         check_compatible(p, model_layout(4))
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2, 4])
+def test_a_rank_read_off_vllm_tensors_plans_for_every_decode_tp(decode_tp: int) -> None:
+    """P TP 2 of a 2-head model, each rank's cache read off vLLM's real ``[blocks, heads, tokens, K|V]`` view
+    (explicit strides, one head): still heads-major (its blocks move whole, as at TP 1), and D ranks of any TP
+    size plan against it. D's layout derived from it once kept the one-head strides for two heads, and every
+    P TP 2 -> D TP 1 load failed with "blocks of 128 vectors overlap"."""
+    import torch
+
+    from pd_connector.kv_tensors import describe
+
+    for rank in range(2):
+        views = [torch.zeros((8, 1, 32, 2, 64)) for _ in range(4)]
+        layout = describe(views, "bhtkd", tp_size=2, tp_rank=rank, total_kv_heads=2).layout
+        assert not layout.token_major and layout.granule_tokens == 32
+        assert fanout(layout, decode_tp) >= 1
+        assert fanout(layout.at_rank(1 - rank), decode_tp) >= 1
