@@ -26,14 +26,12 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from integration_tests.pd_checks import metric
 from pd_connector import wire
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, vllm_server
@@ -46,12 +44,6 @@ SERVED = "bench"
 
 def log(msg: str) -> None:
     print(f"[connector] {msg}", file=sys.stderr, flush=True)
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def stream_first_token(url: str, body: dict[str, Any], t0: float) -> float:

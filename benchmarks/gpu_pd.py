@@ -25,12 +25,10 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from integration_tests.pd_checks import metric
 from pd_disagg import pd_client
 from pd_disagg.servers import ManagedServer, free_port
 
@@ -42,12 +40,6 @@ PATHS = (("ucx_direct", "ucx", "auto"), ("ucx_staged", "ucx", "always"), ("tcp_s
 
 def log(msg: str) -> None:
     print(f"[gpu_pd] {msg}", file=sys.stderr, flush=True)
-
-
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def server(args: argparse.Namespace, role: str, gpu: str, kv: dict[str, Any]) -> ManagedServer:

@@ -29,13 +29,11 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from integration_tests.pd_checks import metric
 from pd_connector import wire
 from pd_connector.vllm.config import PDConnectorConfig
 from pd_disagg.engines import base_url, vllm_server
@@ -102,10 +100,7 @@ def post(url: str, body: dict[str, Any], stream: bool = False) -> list[float]:
 
 def pending(url: str) -> float:
     """Requests D's engine holds (running or waiting, including those waiting for KV), from its metrics."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names)
+    return metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting")
 
 
 def d_config(idle_spin_s: float, wait_s: float) -> dict[str, Any]:
