@@ -31,18 +31,22 @@ CHAT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A word-level tokenizer (one token per word or punctuation mark) with a chat template."""
-    root = tmp_path_factory.mktemp("tokenizer")
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+def write_word_tokenizer(root: Path, words: list[str]) -> Path:
+    """Write into ``root`` a word-level tokenizer of ``words`` (ids in order; "[UNK]", "<s>" and "</s>" among
+    them) with the chat template, and return ``root``."""
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     (root / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return root
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A word-level tokenizer (one token per word or punctuation mark) with a chat template."""
+    return write_word_tokenizer(tmp_path_factory.mktemp("tokenizer"), ["[UNK]", "<s>", "</s>"])
 
 
 class RouterServer(TestServer):

@@ -3,17 +3,15 @@ uncached tokens, and a router in front of fake engines routing a multi-turn conv
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from router.balancer import Balancer
 from router.config import CircuitConfig, KvRoutingConfig, PolicyConfig, WorkerConfig
 from router.policy import CacheCost, PolicyInput, PoolLoad, Route, ThresholdPolicy
-from tests.router.conftest import CHAT_TEMPLATE, MODEL
+from tests.router.conftest import MODEL, write_word_tokenizer
 
 IDLE = PoolLoad(workers=2)
 KV = KvRoutingConfig(block_size=4, max_blocks_per_worker=1000, load_tokens=10)
@@ -142,13 +140,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "system",
         *(f"w{i}" for i in range(2000)),
     ]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    (root / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return root
+    return write_word_tokenizer(root, words)
 
 
 def _words(start: int, n: int) -> str:
