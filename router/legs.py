@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -37,6 +37,8 @@ from router.upstream import (
     returned_params,
     transfer_id,
 )
+
+T = TypeVar("T")
 
 
 class PrefillFailed(UpstreamError):
@@ -184,26 +186,9 @@ class Legs:
         if p_task is None or not self.seeds(request):
             opened, first = await self.first_event(worker, path, body, stamps)
             return opened, b"", first, None
-        resp: Response | None = None
-        try:
-            async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
-                if stamps is not None:
-                    stamps.mark("decode_sent")
-                resp = await open_stream(self.upstream, worker, path, body)
-                try:
-                    data = await p_task
-                except UpstreamError as e:  # counted by the P leg
-                    # P may have finished its prefill and sent D its token all the same (only its answer
-                    # was lost): D's stream could then start after a token the client never gets.
-                    raise PrefillFailed(e.kind, f"prefill leg failed before its first token: {e}") from None
-        except TimeoutError:
-            if resp is not None:
-                resp.close()
-            raise UpstreamError("timeout", f"no first token from {worker.url} or its prefill") from None
-        except BaseException:
-            if resp is not None:
-                resp.close()
-            raise
+        resp, data = await self._open(
+            worker, path, body, stamps, f"{worker.url} or its prefill", _prefill_answer(p_task)
+        )
         try:
             chat = "messages" in request
             opts = request.get("stream_options")
@@ -225,27 +210,59 @@ class Legs:
         self, worker: Worker, path: str, body: bytes, stamps: Stamps | None = None
     ) -> tuple[Response, bytes]:
         """Open D's stream and read its first event within ``timeouts.first_byte_s``."""
+
+        async def first_of(resp: Response) -> bytes:
+            first = await read_event(resp, worker)
+            if stamps is not None:
+                stamps.mark("decode_first_event")
+            return first
+
+        resp, first = await self._open(worker, path, body, stamps, worker.url, first_of)
+        if not first.endswith(b"\n\n"):
+            resp.close()
+            raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
+        return resp, first
+
+    async def _open(
+        self,
+        worker: Worker,
+        path: str,
+        body: bytes,
+        stamps: Stamps | None,
+        source: str,
+        then: Callable[[Response], Awaitable[T]],
+    ) -> tuple[Response, T]:
+        """Open D's stream and await ``then(resp)`` (what the client gets first), both within
+        ``timeouts.first_byte_s`` (``source`` names what timed out); the stream is closed on any failure."""
         resp: Response | None = None
         try:
             async with asyncio.timeout(self.cfg.timeouts.first_byte_s):
                 if stamps is not None:
                     stamps.mark("decode_sent")
                 resp = await open_stream(self.upstream, worker, path, body)
-                first = await read_event(resp, worker)
-                if stamps is not None:
-                    stamps.mark("decode_first_event")
+                return resp, await then(resp)
         except TimeoutError:
             if resp is not None:
                 resp.close()
-            raise UpstreamError("timeout", f"no first token from {worker.url}") from None
+            raise UpstreamError("timeout", f"no first token from {source}") from None
         except BaseException:
             if resp is not None:
                 resp.close()
             raise
-        if not first.endswith(b"\n\n"):
-            resp.close()
-            raise UpstreamError("protocol", f"{worker.url} closed the stream before the first event")
-        return resp, first
+
+
+def _prefill_answer(p_task: asyncio.Task[bytes]) -> Callable[[Response], Awaitable[bytes]]:
+    """What a seeded attempt waits for once D's stream is open: P's answer (its first token)."""
+
+    async def answer(_resp: Response) -> bytes:
+        try:
+            return await p_task
+        except UpstreamError as e:  # counted by the P leg
+            # P may have finished its prefill and sent D its token all the same (only its answer was lost):
+            # D's stream could then start after a token the client never gets.
+            raise PrefillFailed(e.kind, f"prefill leg failed before its first token: {e}") from None
+
+    return answer
 
 
 async def _answered(data: bytes) -> bytes:
