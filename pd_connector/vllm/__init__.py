@@ -7,7 +7,7 @@
 - ``worker_side.py``: the hooks next to the KV tensors, driving one ``pd_connector.transfer.TransferEngine``
   (which speaks ``pd_connector.protocol`` to the peer and moves bytes with a ``pd_connector.transport``).
 - ``config.py``: ``kv_connector_extra_config``; ``stats.py``: the ``vllm:pd_connector_*`` metrics.
-- ``compat.py``: the vLLM versions it is proven on and every vLLM internal the project touches (also used by
+- ``compat/``: the vLLM versions it is proven on and every vLLM internal the project touches (also used by
   ``scheduler_plugins.vllm`` and ``pd-vllm``), checked at start.
 Reading order and support matrix: pd_connector/README.md. Importing this package does not import vLLM;
 ``connector``, ``metadata``, ``stats`` and (when called) ``plugin`` and ``compat`` do.

@@ -1,0 +1,105 @@
+"""Where PDConnector hooks into vLLM's engine beyond the connector API: factory registration, the
+shared-memory queues' busy poll, first-token seeding.
+
+Part of ``pd_connector.vllm.compat``. ``plugin.register`` (every vLLM process) calls ``register_connector``;
+``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``; ``SchedulerSide`` (EngineCore)
+calls ``first_output_token`` on P and ``seed_first_token`` on D. Each writes or reads vLLM state that vLLM
+does not promise to keep (a private registry, a queue's wait loop, a request's token lists).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from pd_connector.vllm.compat.versions import BUSY_POLL_SYMBOLS, PLUGIN_SYMBOLS, require
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+def register_connector(name: str, module_path: str, class_name: str) -> None:
+    """Register a connector class lazily (module path + class name) in vLLM's ``KVConnectorFactory``, unless
+    the name is taken already. vLLM 0.32 has no public query, so this reads the factory's private
+    ``_registry`` (``register_connector`` itself raises on a second registration)."""
+    require("pd_connector's vLLM plugin", PLUGIN_SYMBOLS)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name in KVConnectorFactory._registry:
+        return
+    KVConnectorFactory.register_connector(name, module_path, class_name)
+
+
+class BusyPoll:
+    """How long this process's shared-memory queue readers spin after a message before they sleep until
+    notified: vLLM's own (1 s) while the engine computes, ``idle_s`` while ``idle`` (the connector sets it each
+    step: True on a step that schedules no token, i.e. the engine only waits for transfers)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self.idle = False
+
+
+def limit_busy_poll(idle_s: float) -> BusyPoll:
+    """Make this process's shared-memory queue readers spin at most ``idle_s`` on idle steps; the handle's
+    ``idle`` says when a step is idle.
+
+    vLLM's EngineCore and workers exchange each step over ``shm_broadcast`` queues whose readers spin
+    (``sched_yield``) for ``SpinCondition.busy_loop_s`` (1 s) after each message before sleeping on a ZMQ
+    notification. A D waiting for KV steps every few milliseconds with nothing to compute (the worker waits
+    up to ``worker_side.IDLE_STEP_PAUSE_S`` for a transfer to end), so its EngineCore spins through every one
+    of those waits and the engine takes more than a core while computing nothing; on a host where P and D
+    share cores that comes out of P's prefill (docs/performance.md ``## first_token``). On steps that compute,
+    vLLM's spin stays: it saves a wake-up per step on a busy host. Called by ``PDConnector.__init__`` in
+    EngineCore and in each worker, so only engines running the connector are changed; ``wait`` is patched on
+    the class because the queues exist before the connector does. A second call in the same process returns
+    the same handle with the new ``idle_s``.
+    """
+    require("PDConnector", BUSY_POLL_SYMBOLS)
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    installed: BusyPoll | None = getattr(SpinCondition.wait, "__pd_busy_poll__", None)
+    if installed is not None:
+        installed.idle_s = idle_s
+        return installed
+    original = SpinCondition.wait
+    poll = BusyPoll(idle_s)
+
+    @functools.wraps(original)
+    def wait(self: SpinCondition, timeout_ms: int | None = None) -> None:
+        own: float = self.__dict__.setdefault("_pd_busy_loop_s", self.busy_loop_s)
+        self.busy_loop_s = min(own, poll.idle_s) if poll.idle else own
+        original(self, timeout_ms)
+
+    wait.__pd_busy_poll__ = poll  # type: ignore[attr-defined]
+    SpinCondition.wait = wait  # type: ignore[method-assign]
+    return poll
+
+
+def first_output_token(request: Request) -> int | None:
+    """P (scheduler side, at ``request_finished``): the token P sampled after the prompt, None if none."""
+    outputs = request.output_token_ids
+    return int(outputs[0]) if len(outputs) else None
+
+
+def seed_first_token(request: Request, token: int) -> bool:
+    """D (scheduler side, before vLLM promotes a request whose load finished): continue from ``token``.
+
+    ``token`` becomes the request's first output, as if D had sampled it: max_tokens, min_tokens and stop
+    checks of the EngineCore count it, and D's next step computes the position after the prompt with
+    ``token`` as input and samples the second token. vLLM's model runner builds a new request's inputs from
+    ``prompt_token_ids`` only (its output list starts empty), so the token is also appended to the prompt
+    the runner sees, in a new list (``num_prompt_tokens`` stays the client's prompt length; vLLM's own
+    streaming-input sessions extend the prompt the same way). With the prompt's ``L`` tokens loaded,
+    ``num_computed_tokens`` is ``L`` and ``num_tokens`` ``L + 1``, so vLLM no longer sets the request back one
+    token to recompute the last prompt position. The sampler's per-request generator is fresh on D: its
+    first draw samples the second token (what a colocated request whose prompt ends with ``token`` draws).
+    D's API server never sees ``token``: pd-router streams P's copy of it (docs/wire-contract.md). Returns
+    False, changing nothing, for a request without prompt token ids (prompt embeddings).
+    """
+    prompt = request.prompt_token_ids
+    if prompt is None:
+        return False
+    request.prompt_token_ids = [*prompt, token]
+    request.append_output_token_ids(token)
+    return True

@@ -1,0 +1,120 @@
+"""The KV cache as vLLM hands it to PDConnector: which caches it can move, this worker's TP rank, the layout.
+
+Part of ``pd_connector.vllm.compat``. ``PDConnector.__init__`` (EngineCore and every worker) calls
+``check_kv_cache`` and ``tp_rank`` at start; ``WorkerSide.register_kv_caches`` calls ``kv_layout`` with vLLM's
+per-layer views. vLLM does not promise its KV cache specs, process-group state or cache view shapes: they are
+read here only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pd_connector.kv_tensors import KVTensors, describe
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """This worker's place in tensor parallelism: its rank, the engine's TP size, the model's KV heads."""
+
+    rank: int = 0
+    size: int = 1
+    total_kv_heads: int = 0  # 0: the heads this worker holds (no tensor parallelism)
+    mla: bool = False  # the cache is MLA's latent: one "head" every rank holds whole
+
+
+def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
+    """Why PDConnector cannot move this model's KV cache, or None.
+
+    It moves one full-attention cache whose block table covers every token (what the scheduler side plans
+    with ``get_block_ids()[0]``): K/V heads, or MLA's latent (DeepSeek-V2/V3: one vector per token). A hybrid
+    model has several KV cache groups (full attention next to sliding window or Mamba/SSM state), and
+    sliding-window, state and DeepSeek-V4's sparse or fp8 MLA caches lay out or drop tokens differently:
+    moving only the first group would leave the others empty and decode from them. MLA on vLLM's CPU platform
+    is refused too: the latent moves exactly, but D's answers differed from P's in our integration run
+    (docs/architecture.md ``## GPU KV caches and attention layouts``); vLLM turns prefix caching off for MLA
+    on CPU, and a P->D load is a prefix D attends over.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    if len(groups) != 1:
+        return (
+            f"a hybrid model ({len(groups)} KV cache groups: {', '.join(kinds)}); PDConnector moves one "
+            "full-attention cache and supports no hybrid, sliding-window or Mamba/SSM state caches"
+        )
+    spec = groups[0].kv_cache_spec
+    plain_mla = (
+        type(spec) is MLAAttentionSpec
+        and spec.model_version is None
+        and spec.alignment is None
+        and spec.cache_dtype_str in (None, "auto")
+    )
+    if type(spec) is not FullAttentionSpec and not plain_mla:
+        return (
+            f"a {kinds[0]} KV cache; PDConnector moves full-attention and plain MLA caches only (no sparse or "
+            "fp8 MLA, sliding-window, chunked-local or Mamba/SSM state caches)"
+        )
+    if plain_mla and current_platform.is_cpu():
+        return (
+            "an MLA model on vLLM's CPU platform, which serves MLA without prefix caching: a decode node "
+            "attending over a latent loaded from P answered differently from P (not supported)"
+        )
+    return None
+
+
+def check_kv_cache(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at start and naming it, a model whose KV cache PDConnector cannot move (``ValueError``)."""
+    problem = None if kv_cache_config is None else kv_cache_problem(kv_cache_config)
+    if problem is not None:
+        raise ValueError(f"PDConnector cannot serve this model: {problem}")
+
+
+def tp_rank(vllm_config: VllmConfig) -> TPRank:
+    """The calling worker's TP rank (vLLM's process-group state), the engine's TP size and the model's KV
+    heads; refuses what PDConnector does not support (pipeline parallelism) at start, naming it."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"PDConnector does not support pipeline parallelism (pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size}); use tensor parallelism"
+        )
+    size = parallel.tensor_parallel_size
+    rank = get_tensor_model_parallel_rank() if size > 1 else 0
+    model = vllm_config.model_config
+    return TPRank(rank, size, model.get_total_num_kv_heads(), bool(model.use_mla))
+
+
+def kv_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None) -> KVTensors:
+    """Describe this worker's KV cache from vLLM's per-layer views and list its buffers (``kv_tensors``).
+
+    vLLM 0.32 hands every layer's cache, on every device and attention backend, as a ``[blocks, heads,
+    tokens, C]`` view whose strides follow its ``KVCacheLayout`` (NHD or HND, layers outermost or inside each
+    block): ``C`` is K then V of one head and token, or MLA's latent (one "head"). Other shapes (kernel
+    blocks smaller than the manager's, an odd ``C``) are refused with a clear error.
+    """
+    tp = tp or TPRank()
+    tensors = list(kv_caches.values())
+    for name, tensor in kv_caches.items():
+        if tensor.dim() != 4 or tensor.shape[0] != num_blocks or (not tp.mla and tensor.shape[3] % 2):
+            raise ValueError(
+                f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not vLLM's "
+                f"[{num_blocks} blocks, heads, block_size, {'latent' if tp.mla else 'head_k + head_v'}] "
+                "PDConnector supports"
+            )
+    if tp.mla:
+        views, axes = [t[:, 0] for t in tensors], "btd"
+    else:
+        views, axes = [t.unflatten(-1, (2, t.shape[-1] // 2)) for t in tensors], "bhtkd"
+    return describe(views, axes, tp.size, tp.rank, 1 if tp.mla else tp.total_kv_heads)
