@@ -27,6 +27,8 @@ TRANSFER_FIELDS = frozenset({KV_TRANSFER_PARAMS, *SGLANG_BOOTSTRAP_FIELDS})
 TransferId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]+$", min_length=1, max_length=200)]
 #: ``host:port`` of a prefill side channel (IPv6 hosts in brackets).
 PrefillAddr = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\[\]-]+:[0-9]{1,5}$", max_length=300)]
+#: A token id; the engine that uses one also checks it against its vocabulary.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class PushPrefill(msgspec.Struct, frozen=True):
@@ -66,6 +68,9 @@ class PrefillReturned(msgspec.Struct, frozen=True):
     """What P answers in ``kv_transfer_params`` (both flows); in vLLM's standard flow it is D's leg.
 
     ``pd_seed_first_token``: as in ``PushDecode``; P never sets it, pd-router does on D's leg.
+    ``pd_first_token``: the token P sampled after the prompt (P sets it when it has one). A seeded D takes it
+    from P's ``Done``, and from here when ``Done`` never came (P died after answering, the connection broke):
+    it then prefills the prompt itself and still continues from the token the client was streamed.
     """
 
     pd_transfer_id: TransferId
@@ -77,6 +82,7 @@ class PrefillReturned(msgspec.Struct, frozen=True):
     remote_host: None = None
     remote_port: None = None
     pd_seed_first_token: bool = False
+    pd_first_token: TokenId | None = None
 
 
 #: Every shape an engine may receive; ``parse_params`` says which one a request carries.
@@ -86,18 +92,19 @@ Params = PushPrefill | PushDecode | StandardPrefill | PrefillReturned
 _NEEDED: dict[type[Params], tuple[str, ...]] = {
     PushPrefill: ("pd_transfer_id", "pd_test_corrupt"),
     PushDecode: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token"),
-    PrefillReturned: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token"),
+    PrefillReturned: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token", "pd_first_token"),
 }
-#: Flags left out of ``encode``'s output while False, so legs that do not use them stay as they were.
-_QUIET_FLAGS = ("pd_test_corrupt", "pd_seed_first_token")
+#: Optional fields left out of ``encode``'s output while unset (False or None), so legs that do not use them
+#: stay as they were.
+_QUIET_FIELDS = ("pd_test_corrupt", "pd_seed_first_token", "pd_first_token")
 
 
 def encode(params: Params) -> dict[str, Any]:
-    """The JSON-ready dict for a body's ``kv_transfer_params`` (the optional flags only when set)."""
+    """The JSON-ready dict for a body's ``kv_transfer_params`` (the optional fields only when set)."""
     out: dict[str, Any] = msgspec.to_builtins(params)
-    for flag in _QUIET_FLAGS:
-        if out.get(flag) is False:
-            del out[flag]
+    for name in _QUIET_FIELDS:
+        if name in out and (out[name] is False or out[name] is None):
+            del out[name]
     return out
 
 

@@ -75,6 +75,7 @@ class PDConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 block_size,
                 self._config.side_channel_addr,
+                vllm_config.model_config.get_vocab_size(),
                 producer=transfer.is_kv_producer,
                 consumer=transfer.is_kv_consumer,
                 policy=self._config.peer_policy(),

@@ -21,8 +21,11 @@ First-token seeding (docs/wire-contract.md): P's ``request_finished`` hands the 
 whose ``Done`` carries it to D. A D request whose parameters ask for it (``pd_seed_first_token``, set by
 pd-router only) continues from that token when its load finished (``compat.seed_first_token``): D computes
 the position after the prompt and samples the second token, instead of recomputing the last prompt position
-and sampling a first token of its own. A load that failed, or a P that sent no token, leaves the request
-unseeded: D recomputes and samples as before.
+and sampling a first token of its own. A load that failed is still seeded when the token is known (from
+``Done``, or, in vLLM's standard flow, from P's answer, ``pd_first_token``): D recomputes the prompt and
+the token. Only a failed pd-push load whose ``Done`` never came stays unseeded (D recomputes and samples
+its own first token; the stream then repeats one token): vLLM gives a connector no way to fail one request
+while the engine's ``kv_load_failure_policy`` is ``recompute``.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
 table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
@@ -63,9 +66,13 @@ class PrefillRole:
 
 @dataclass(frozen=True)
 class DecodeRole:
+    """D: load from ``prefill_addr``; ``seed``: continue from P's first token (``first_token``: P's answer's
+    copy of it, vLLM's standard flow, used when P's ``Done`` brings none)."""
+
     transfer_id: str
     prefill_addr: str
     seed: bool = False
+    first_token: int | None = None
 
 
 @dataclass
@@ -89,6 +96,7 @@ class SchedulerSide:
         self,
         block_size: int,
         side_channel_addr: str,
+        vocab_size: int,
         *,
         producer: bool = True,
         consumer: bool = True,
@@ -96,6 +104,7 @@ class SchedulerSide:
         allow_corruption: bool = False,
     ) -> None:
         self._block_size = block_size
+        self._vocab_size = vocab_size
         self._producer = producer
         self._consumer = consumer
         self._policy = policy or PeerPolicy(authenticated=False)
@@ -147,7 +156,10 @@ class SchedulerSide:
             elif self._used(params.pd_transfer_id):
                 why = "its transfer id was already used by another request"
             else:
-                role = DecodeRole(params.pd_transfer_id, params.pd_prefill_addr, params.pd_seed_first_token)
+                first = params.pd_first_token if isinstance(params, wire.PrefillReturned) else None
+                role = DecodeRole(
+                    params.pd_transfer_id, params.pd_prefill_addr, params.pd_seed_first_token, first
+                )
         if why:
             self._stats.refused()
             logger.warning("PDConnector: request %s served locally: %s", req_id, why)
@@ -254,14 +266,23 @@ class SchedulerSide:
         """Loads that ended this step (``first_tokens``: P's first token of those whose ``Done`` carried one).
 
         Called by vLLM before it promotes the finished loads, so a seeded request is promoted with P's token
-        as its first output; a load without a token (failed, or P sent none) stays unseeded.
+        as its first output. A failed load is seeded too when the token is known (from ``Done``, or from
+        P's answer in vLLM's standard flow): vLLM then recomputes the prompt and the token, and D still
+        continues from the token the client was streamed. A token outside the vocabulary (a faulty or
+        hostile peer or caller) is never used: it would crash the model's embedding lookup.
         """
         self._loading.difference_update(finished_recving)
         for req_id in finished_recving:
             request = self._seeding.pop(req_id, None)
             if request is None:
                 continue
+            role = self._roles.get(req_id)
             token = first_tokens.get(req_id)
+            if token is None and isinstance(role, DecodeRole):
+                token = role.first_token
+            if token is not None and not 0 <= token < self._vocab_size:
+                logger.warning("PDConnector: seeded request %s got a token outside the vocabulary", req_id)
+                token = None
             if token is None or not seed_first_token(request, token):
                 # The router may already have streamed P's token: this stream then has one token too many.
                 logger.warning("PDConnector: seeded request %s loaded without P's first token", req_id)
@@ -289,7 +310,9 @@ class SchedulerSide:
         if not ok:
             return delay, None
         # What a D needs to pull this prefill through vLLM's standard P-then-D flow.
-        return delay, wire.encode(wire.PrefillReturned(transfer_id, self._side_channel_addr))
+        return delay, wire.encode(
+            wire.PrefillReturned(transfer_id, self._side_channel_addr, pd_first_token=first)
+        )
 
     def stats(self) -> PDConnectorStats | None:
         """This interval's refusals (vLLM aggregates the scheduler's stats with the workers')."""

@@ -18,10 +18,19 @@ from pd_connector import wire
         wire.PushDecode("t1", "[fd00::1]:7600"),
         wire.StandardPrefill(),
         wire.PrefillReturned("cmpl-abc-0", "p0.cluster:7600"),
+        wire.PrefillReturned("cmpl-abc-0", "p0.cluster:7600", pd_seed_first_token=True, pd_first_token=0),
     ],
 )
 def test_every_shape_round_trips_through_json_ready_dicts(params: wire.Params) -> None:
     assert wire.parse_params(wire.encode(params)) == params
+
+
+def test_unset_optional_fields_stay_off_the_wire() -> None:
+    """Legs that do not use them look as before; a first token 0 (a real token id) is not "unset"."""
+    assert set(wire.encode(wire.PrefillReturned("t", "h:1"))).isdisjoint(
+        {"pd_first_token", "pd_seed_first_token"}
+    )
+    assert wire.encode(wire.PrefillReturned("t", "h:1", pd_first_token=0))["pd_first_token"] == 0
 
 
 def test_no_instruction_is_none() -> None:
@@ -50,6 +59,33 @@ def test_other_connectors_fields_do_not_break_our_params() -> None:
         ({"pd_role": "decode", "pd_transfer_id": "t", "pd_prefill_addr": "host"}, "pd_prefill_addr"),
         ({"pd_role": "decode", "pd_transfer_id": "t", "pd_prefill_addr": "h:1/../x"}, "pd_prefill_addr"),
         ({"do_remote_prefill": True}, "pd_transfer_id"),
+        (
+            {
+                "do_remote_prefill": True,
+                "pd_transfer_id": "t",
+                "pd_prefill_addr": "h:1",
+                "pd_first_token": -1,
+            },
+            "pd_first_token",
+        ),
+        (
+            {
+                "do_remote_prefill": True,
+                "pd_transfer_id": "t",
+                "pd_prefill_addr": "h:1",
+                "pd_first_token": "7",
+            },
+            "pd_first_token",
+        ),
+        (
+            {
+                "do_remote_prefill": True,
+                "pd_transfer_id": "t",
+                "pd_prefill_addr": "h:1",
+                "pd_first_token": 2**31,
+            },
+            "pd_first_token",
+        ),
     ],
 )
 def test_malformed_params_are_refused_naming_the_field(raw: Any, why: str) -> None:

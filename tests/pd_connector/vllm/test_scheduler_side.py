@@ -10,6 +10,7 @@ import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
+from pd_connector import wire
 from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
 from pd_connector.vllm import scheduler_side
@@ -18,6 +19,7 @@ from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerS
 
 BS = 32
 ADDR = "10.0.0.1:7000"
+VOCAB = 5000  # above the prompts' and tokens' ids below
 
 
 @dataclass
@@ -61,7 +63,7 @@ def decode_params(transfer_id: str = "t1") -> dict[str, Any]:
 
 def make_side(**kwargs: Any) -> tuple[SchedulerSide, FakeManager]:
     """A kv_both side whose peers prove a shared secret (so it may dial ADDR), unless ``kwargs`` say else."""
-    side = SchedulerSide(BS, ADDR, **{"policy": PeerPolicy(authenticated=True), **kwargs})
+    side = SchedulerSide(BS, ADDR, VOCAB, **{"policy": PeerPolicy(authenticated=True), **kwargs})
     manager = FakeManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     return side, manager
@@ -251,6 +253,59 @@ def test_unseeded_decode_ignores_the_token() -> None:
     assert req.num_output_tokens == 0 and req.num_tokens == 64
 
 
+def _returned(first_token: int | None) -> dict[str, Any]:
+    """D's params in vLLM's standard flow: what P answered (with its first token), seeded by the router."""
+    returned = wire.PrefillReturned("t1", ADDR, pd_seed_first_token=True, pd_first_token=first_token)
+    return wire.encode(returned)
+
+
+def test_failed_load_is_seeded_with_the_token_p_answered() -> None:
+    """vLLM's standard flow: P died after answering, so its ``Done`` never came and the load failed; D still
+    continues from the token the client was streamed, taken from P's answer, and vLLM recomputes the prompt
+    and that token (it set ``num_computed_tokens`` to 0 for the failed load before this hook)."""
+    side, _ = make_side()
+    req = _loaded(side, _returned(4242))
+    req.num_computed_tokens = 0
+    side.update_connector_output({"d1"}, {})
+    assert list(req.output_token_ids) == [4242] and req.prompt_token_ids == [*range(64), 4242]
+    assert req.num_tokens == 65 and req.num_computed_tokens == 0
+    # P's ``Done`` wins over the copy in its answer when both came.
+    side, _ = make_side()
+    req = _loaded(side, _returned(4242))
+    side.update_connector_output({"d1"}, {"d1": 17})
+    assert list(req.output_token_ids) == [17]
+
+
+@pytest.mark.parametrize("token", [VOCAB, VOCAB + 5, 2**31 - 1])
+def test_a_token_outside_the_vocabulary_is_never_used(token: int) -> None:
+    """From a faulty or hostile P (``Done``) or caller (the body): the model's embedding lookup would crash
+    the engine. The request is served unseeded instead."""
+    side, _ = make_side()
+    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
+    side.update_connector_output({"d1"}, {"d1": token})
+    assert req.num_output_tokens == 0 and req.num_tokens == 64
+    side, _ = make_side()
+    req = _loaded(side, _returned(token))
+    side.update_connector_output({"d1"}, {})
+    assert req.num_output_tokens == 0 and req.num_tokens == 64
+    side, _ = make_side()
+    req = _loaded(side, _returned(VOCAB - 1))  # the last id of the vocabulary is a token
+    side.update_connector_output({"d1"}, {})
+    assert list(req.output_token_ids) == [VOCAB - 1]
+
+
+def test_prefill_answers_its_first_token() -> None:
+    """P's answer (vLLM's standard flow: D's params) carries the token P sampled; an aborted prefill's
+    answer carries none."""
+    side, _ = make_side()
+    req = FakeRequest("p1", {"do_remote_decode": True}, list(range(40)))
+    side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
+    req.status, req.output_token_ids = RequestStatus.FINISHED_LENGTH_CAPPED, [0]
+    _, params = side.request_finished(req, [1, 2])  # type: ignore[arg-type]
+    returned = wire.parse_params(params)
+    assert isinstance(returned, wire.PrefillReturned) and returned.pd_first_token == 0
+
+
 def test_prefill_hands_its_first_token_to_the_worker() -> None:
     """What ``Done`` carries to D: the token P sampled after the prompt (none for an aborted request)."""
     side, _ = make_side()
@@ -351,7 +406,7 @@ def test_prefill_without_blocks_frees_at_once() -> None:
 
 def test_corruption_needs_the_server_flag() -> None:
     for allowed in (False, True):
-        side = SchedulerSide(BS, ADDR, allow_corruption=allowed)
+        side = SchedulerSide(BS, ADDR, VOCAB, allow_corruption=allowed)
         manager = FakeManager({"p1": [1]})
         side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
         params = {"pd_role": "prefill", "pd_transfer_id": "T", "pd_test_corrupt": True}
