@@ -66,7 +66,7 @@ class RouterState:
         self.checker: HealthChecker | None = None
         self.proxy: Proxy | None = None
         self.tracer: Tracer | None = None
-        self.kv_events: list[KvEventsSubscriber] = []
+        self.kv_events: dict[Worker, KvEventsSubscriber] = {}  # by worker, for those that publish events
         self._zmq: zmq.asyncio.Context | None = None
 
     async def start(self) -> None:
@@ -79,20 +79,29 @@ class RouterState:
         self.checker = HealthChecker(self.cfg.health, self._check, self.balancer.all_workers, self._changed)
         await self.initial_check(self.balancer.all_workers())
         self.checker.start()
-        self._subscribe_kv_events()
+        for w in self.balancer.all_workers():
+            self.follow_kv_events(w)
 
-    def _subscribe_kv_events(self) -> None:
-        """KV-aware routing: follow the KV events of every configured worker that publishes them."""
+    def follow_kv_events(self, worker: Worker) -> None:
+        """KV-aware routing: follow ``worker``'s KV events when it publishes them (configured or added through
+        the admin API; ``unfollow_kv_events`` when it is removed)."""
         index = self.balancer.prefixes
-        subscribed = [w for w in self.balancer.all_workers() if w.cfg.kv_events]
-        if index is None or not subscribed:
+        if index is None or not worker.cfg.kv_events or worker in self.kv_events:
             return
-        self._zmq = zmq.asyncio.Context()
-        for w in subscribed:
-            count = functools.partial(self._count_kv_events, w.url)
-            sub = KvEventsSubscriber(w.cfg.kv_events, WorkerEvents(index, w), count, self._zmq)
-            sub.start()
-            self.kv_events.append(sub)
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        count = functools.partial(self._count_kv_events, worker.url)
+        sub = KvEventsSubscriber(worker.cfg.kv_events, WorkerEvents(index, worker), count, self._zmq)
+        sub.start()
+        self.kv_events[worker] = sub
+
+    async def unfollow_kv_events(self, worker: Worker) -> None:
+        """Stop following a removed worker's events, and drop what they put in the index."""
+        sub = self.kv_events.pop(worker, None)
+        if sub is not None:
+            await sub.stop()
+        if self.balancer.prefixes is not None:
+            self.balancer.prefixes.forget(worker)
 
     def _count_kv_events(self, url: str, result: str) -> None:
         self.metrics.kv_events.labels(url, result).inc()
@@ -117,7 +126,7 @@ class RouterState:
     async def close(self) -> None:
         if self.checker is not None:
             await self.checker.stop()
-        for sub in self.kv_events:
+        for sub in self.kv_events.values():
             await sub.stop()
         if self._zmq is not None:
             self._zmq.term()
@@ -359,6 +368,7 @@ async def _add_worker(request: web.Request) -> web.Response:
         raise ApiError(409, str(e)) from None
     worker.healthy = False
     await state.initial_check([worker])
+    state.follow_kv_events(worker)
     log.info("admin: added %s worker %s", req.role, req.worker.url)
     return _json(_describe(worker), 201)
 
@@ -370,6 +380,7 @@ async def _remove_worker(request: web.Request) -> web.Response:
         worker = state.balancer.remove(ref.url, ref.role)
     except KeyError:
         raise ApiError(404, f"no {ref.role} worker {ref.url}") from None
+    await state.unfollow_kv_events(worker)
     log.info("admin: removed %s worker %s (%d legs finish there)", ref.role, ref.url, worker.active)
     return _json(_describe(worker))
 

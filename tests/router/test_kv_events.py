@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import msgspec
+from aiohttp.test_utils import TestClient, TestServer
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -17,7 +18,7 @@ from vllm.distributed.kv_events import (
 )
 
 from pd_disagg.servers import free_port
-from router.app import RouterState
+from router.app import STATE, RouterState, make_app
 from router.config import parse_config
 from router.kv_events import WorkerEvents
 from router.prefix_index import PrefixIndex
@@ -147,3 +148,40 @@ def test_an_event_kind_the_router_does_not_know_is_skipped_not_the_batch() -> No
     payload = msgspec.msgpack.encode([0.0, [future, known], 0])
     assert WorkerEvents(index, "d0").apply(0, payload) == "batch"
     assert index.match("d0", index.hashes(A)) == 2
+
+
+async def test_a_worker_added_through_the_admin_api_is_followed_until_removed(tokenizer_dir: Path) -> None:
+    """Workers added at run time (an autoscaler, an operator) get their KV events followed like configured
+    ones; removing one stops its subscription and drops what its events put in the index."""
+    port = free_port()
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}")
+    cfg = parse_config(
+        {
+            "model": {"path": "m", "tokenizer": str(tokenizer_dir)},
+            "decode": [{"url": f"http://127.0.0.1:{free_port()}"}],
+            "kv_routing": {"block_size": BLOCK},
+        }
+    )
+    client = TestClient(TestServer(make_app(cfg, random.Random(0))))
+    await client.start_server()
+    state = client.app[STATE]
+    index = state.balancer.prefixes
+    assert index is not None and state.kv_events == {}
+    try:
+        added = {"url": f"http://127.0.0.1:{free_port()}", "kv_events": f"tcp://127.0.0.1:{port}"}
+        assert (await client.post("/admin/workers", json={"role": "decode", "worker": added})).status == 201
+        (worker,) = [w for w in state.balancer.decode.workers if w.url == added["url"]]
+        assert set(state.kv_events) == {worker}
+
+        async def stored() -> bool:
+            publisher.publish(KVEventBatch(ts=0.0, events=[_stored([b"e1", b"e2"], None, A)]))
+            await asyncio.sleep(0)
+            return index.match(worker, index.hashes(A)) == 2
+
+        await wait_until_async(stored, 10, "the added worker's blocks stored")
+        ref = {"role": "decode", "url": added["url"]}
+        assert (await client.delete("/admin/workers", json=ref)).status == 200
+        assert state.kv_events == {} and index.blocks() == 0
+    finally:
+        await client.close()
+        publisher.shutdown()
