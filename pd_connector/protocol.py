@@ -3,14 +3,15 @@
 Every message is a msgspec Struct in one tagged union (``Message``), encoded as msgpack: never pickle, so a
 peer can at worst send a malformed frame, which is rejected. The conversation on one TCP connection:
 
-    D -> P  Hello(version, engine id, KV layout + hash, transport name, D's nonce)
+    D -> P  Hello(version, engine id, KV layout + hash, transport name, D's nonce, integrity mode)
     P -> D  HelloAck(engine id, layout hash, P's nonce, D's nonce echoed) | Refused(reason naming what differs)
             -- from here on, with a shared secret, frames carry the session MAC (below) --
     D -> P  Memory(D's transport descriptor: where and how P may write into D's KV cache)
     P -> D  Ready | Refused(P cannot reach that memory)
     D -> P  Destinations(transfer id, D block ids, tokens wanted, lease, head slice)   (any number, any time)
     P -> D  LayerDone(transfer id, layer, bytes)                          (after that layer's bytes landed)
-    P -> D  Done(transfer id, tokens, first token)      (after every write landed; P's blocks are free then)
+    P -> D  Done(transfer id, tokens, first token, checksums in integrity mode)
+                                                        (after every write landed; P's blocks are free then)
     either  Abort(transfer id, reason) -> the other answers Ack once it will not touch the blocks again
     either  Heartbeat every ``heartbeat_interval_s``: silence longer than the heartbeat timeout = dead peer
 
@@ -63,6 +64,9 @@ class Hello(msgspec.Struct, tag="hello"):
     layout_hash: str
     transport: str
     nonce: bytes
+    #: D's ``integrity_check``: P refuses a D whose mode differs from its own (``transfer.handshake``), so
+    #: with the mode on D always gets checksums and a D that expects them never meets a P that omits them.
+    integrity: bool = False
 
 
 class HelloAck(msgspec.Struct, tag="hello_ack"):
@@ -133,12 +137,26 @@ class LayerDone(msgspec.Struct, tag="layer_done"):
     bytes: int
 
 
+class Checksums(msgspec.Struct, array_like=True):
+    """Integrity mode: xxh3-64 digests of the KV P wrote into one D rank (``transfer.integrity``).
+
+    ``runs``: per D block table (one shared by every layer, or one per layer) the destination granule runs
+    hashed, in hashing order, as little-endian int64 pairs (first granule, granules). ``digests``: one per KV
+    buffer (region ids in order: layer by layer, K then V when split), over its table's runs.
+    """
+
+    runs: list[bytes]
+    digests: list[int]
+
+
 class Done(msgspec.Struct, tag="done"):
-    """Every write of the transfer has landed; ``num_tokens`` were covered; optional first sampled token."""
+    """Every write of the transfer has landed; ``num_tokens`` were covered; optional first sampled token;
+    ``checksums`` of what was written, in integrity mode (D verifies them before it reports the load done)."""
 
     transfer_id: str
     num_tokens: int
     first_token: int | None = None
+    checksums: Checksums | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

@@ -50,6 +50,9 @@ class TransferSettings:
     allowed_prefill_addrs: tuple[str, ...] = ()
     #: Lift protected mode: listen beyond loopback and dial any prefill with no secret (trusted networks only).
     allow_insecure: bool = False
+    #: Integrity mode: P sends xxh3 checksums of the KV it wrote, D fails a load whose bytes differ
+    #: (``pd_connector.transfer.integrity``). P and D must agree (the handshake refuses a mismatch).
+    integrity_check: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -13,6 +13,7 @@ import threading
 
 from pd_connector.layout import KVLayout
 from pd_connector.protocol import FrameCodec
+from pd_connector.transfer.integrity import RegionBytes
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
 from pd_connector.transport.base import Transport
 from pd_connector.transport.loop_thread import LoopThread
@@ -25,9 +26,16 @@ class EngineContext:
     """Shared by ``Sender`` and ``Receiver`` of one ``TransferEngine``."""
 
     def __init__(
-        self, config: TransferConfig, layout: KVLayout, transport: Transport, policy: PeerPolicy
+        self,
+        config: TransferConfig,
+        layout: KVLayout,
+        transport: Transport,
+        policy: PeerPolicy,
+        kv_bytes: RegionBytes | None = None,
     ) -> None:
         self.config = config
+        #: Our KV buffers' bytes, for the integrity checksums (``config.integrity_check``; None when off).
+        self.kv_bytes = kv_bytes
         self.layout = layout
         self.transport = transport
         self.codec = FrameCodec(config.secret, config.max_frame_bytes)

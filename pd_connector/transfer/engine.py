@@ -21,6 +21,7 @@ from pd_connector import control
 from pd_connector.layout import KVLayout
 from pd_connector.protocol import Destinations
 from pd_connector.transfer.context import EngineContext
+from pd_connector.transfer.integrity import RegionBytes
 from pd_connector.transfer.receiver import Receiver
 from pd_connector.transfer.sender import Sender
 from pd_connector.transfer.types import TransferConfig, TransferCounters, TransferResult, TransferState
@@ -35,7 +36,8 @@ class TransferEngine:
     ``buffers``: the local KV buffers as ``(address, length_bytes)``, ordered as ``KVLayout.regions``
     expects, in ``memory`` (host, or CUDA for a transport that reaches it); the engine registers them with
     ``transport``. The engine owns ``transport`` from here on: it
-    closes it in ``close`` or when construction fails (bad buffers, listener port taken).
+    closes it in ``close`` or when construction fails (bad buffers, listener port taken, ``integrity_check``
+    on a cache in device memory).
     """
 
     def __init__(
@@ -54,11 +56,13 @@ class TransferEngine:
             )
             if config.listen_port is not None:
                 policy.check_listener("the side channel", config.listen_host)
-            descriptor = transport.register(layout.regions(buffers, memory))
+            regions = layout.regions(buffers, memory)
+            kv_bytes = RegionBytes(regions) if config.integrity_check else None
+            descriptor = transport.register(regions)
         except BaseException:
             transport.close()
             raise
-        self._ctx = EngineContext(config, layout, transport, policy)
+        self._ctx = EngineContext(config, layout, transport, policy, kv_bytes)
         self._sender = Sender(self._ctx)
         self._receiver = Receiver(self._ctx, descriptor)
         self._recv_ids: set[str] = set()  # expected and not yet polled; guarded by the context's lock

@@ -1,7 +1,8 @@
 """The handshake that opens a control connection, both sides: what P accepts and what D reveals when.
 
-P (``accept``, on its listener): D's ``Hello`` must speak our protocol version and transport and carry a
-layout P can map onto its own (``layout.check_compatible``, which names every difference); P answers
+P (``accept``, on its listener): D's ``Hello`` must speak our protocol version and transport, run the same
+integrity mode (``integrity_check``: D expects checksums exactly when P sends them) and carry a layout P can
+map onto its own (``layout.check_compatible``, which names every difference); P answers
 ``HelloAck`` echoing D's nonce (under the shared secret's MAC, when one is set) with its own layout, switches
 the connection to the session key, takes D's ``Memory`` (its transport descriptor), attaches its transport to
 it and answers ``Ready``. D (``dial``) sends that descriptor only after P's ``HelloAck`` proved it: the
@@ -52,6 +53,12 @@ def refusal(ctx: EngineContext, hello: Hello) -> Refused | None:
         return Refused(
             f"transport mismatch: decode uses {hello.transport!r}, prefill {ctx.transport.name!r}",
             ["transport"],
+        )
+    if hello.integrity != ctx.config.integrity_check:
+        return Refused(
+            f"integrity_check mismatch: decode {'on' if hello.integrity else 'off'}, prefill "
+            f"{'on' if ctx.config.integrity_check else 'off'} (set it alike on both)",
+            ["integrity"],
         )
     if len(hello.nonce) != NONCE_BYTES:
         return Refused(f"hello nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}", ["nonce"])
@@ -111,7 +118,17 @@ async def dial(ctx: EngineContext, addr: str, conn: control.Connection, memory: 
     not (refused, unproven, timed out). ``memory`` (our transport descriptor) goes out only after P's proof."""
     cfg, layout = ctx.config, ctx.layout
     nonce = secrets.token_bytes(NONCE_BYTES)
-    conn.send(Hello(PROTOCOL_VERSION, cfg.engine_id, layout, layout.compat_hash(), ctx.transport.name, nonce))
+    conn.send(
+        Hello(
+            PROTOCOL_VERSION,
+            cfg.engine_id,
+            layout,
+            layout.compat_hash(),
+            ctx.transport.name,
+            nonce,
+            cfg.integrity_check,
+        )
+    )
     try:
         reply = await conn.read_message(cfg.connect_timeout_s)
         if isinstance(reply, HelloAck):

@@ -31,9 +31,9 @@ from pd_connector.protocol import (
     Message,
 )
 from pd_connector.timeline import Timeline
-from pd_connector.transfer import handshake
+from pd_connector.transfer import handshake, integrity
 from pd_connector.transfer.context import EngineContext, logger
-from pd_connector.transfer.types import TransferResult, TransferState
+from pd_connector.transfer.types import TransferResult, TransferState, state_in
 
 
 def rank_addr(addr: str, rank: int) -> str:
@@ -105,8 +105,7 @@ class Receiver:
         return {"recvs": len(self.recvs), "links": len(self.links)}
 
     def state(self, tid: str) -> TransferState | None:
-        rt = self.recvs.get(tid)
-        return rt.state if rt is not None else None
+        return state_in(self.recvs, tid)
 
     def shutdown(self) -> None:
         for rt in list(self.recvs.values()):
@@ -274,6 +273,10 @@ class Receiver:
         elif msg.num_tokens < rt.dests.num_tokens:
             reason = f"prefill covered {msg.num_tokens} of {rt.dests.num_tokens} tokens"
             self._give_up(rt, TransferState.FAILED, reason)
+        elif (mismatch := self._integrity_problem(part, msg)) is not None:
+            logger.error("transfer %s: %s", rt.transfer_id, mismatch)
+            self.ctx.count(integrity_failures=1)
+            self._give_up(rt, TransferState.FAILED, mismatch)
         else:
             part.done = True
             if msg.first_token is not None:
@@ -282,6 +285,23 @@ class Receiver:
                 rt.timeline.mark("done")
                 self.ctx.count(transfers_received=1)
                 self._finish(rt, TransferState.DONE, "")
+
+    def _integrity_problem(self, part: _Part, msg: Done) -> str | None:
+        """Integrity mode: why the KV this P rank wrote does not match its checksums, or None (also when off).
+
+        Runs once P's writes all landed (its ``Done``), before the load is reported: a mismatch fails it."""
+        kv_bytes = self.ctx.kv_bytes
+        if kv_bytes is None:
+            return None
+        if msg.checksums is None:
+            return f"integrity check failed: prefill {part.link.addr} sent no checksums"
+        lay = self.ctx.layout
+        regions = integrity.hashed_regions(lay, part.dests.layer_block_ids is not None)
+        try:
+            integrity.verify(kv_bytes, regions, msg.checksums, lay.buffers_per_layer)
+        except integrity.IntegrityError as e:
+            return f"integrity check failed on the KV from prefill {part.link.addr}: {e}"
+        return None
 
     # ---- giving up -------------------------------------------------------------------------------------------
     def _timed_out(self, rt: _Recv) -> None:

@@ -23,16 +23,17 @@ from pd_connector.layout import BlockMapping
 from pd_connector.protocol import (
     Abort,
     Ack,
+    Checksums,
     Destinations,
     Done,
     LayerDone,
     Message,
 )
-from pd_connector.transfer import handshake
+from pd_connector.transfer import handshake, integrity
 from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.coverage import add_span, first_hole
 from pd_connector.transfer.send_state import Binding, Orphan, Peer, Send, Tombstone, validate_destinations
-from pd_connector.transfer.types import TransferResult, TransferState
+from pd_connector.transfer.types import TransferResult, TransferState, state_in
 
 
 class Sender:
@@ -55,8 +56,7 @@ class Sender:
         }
 
     def state(self, tid: str) -> TransferState | None:
-        st = self.sends.get(tid)
-        return st.state if st is not None else None
+        return state_in(self.sends, tid)
 
     def shutdown(self) -> None:
         for st in list(self.sends.values()):
@@ -270,24 +270,50 @@ class Sender:
         first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)
         if first >= last:
             return
-        per_layer = dests.layer_block_ids is not None
-        key = (first, last, layer if per_layer else -1)
-        runs = binding.runs.get(key)
-        mapping = binding.peer.mapping
-        if runs is None:
-            dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
-            try:
-                runs = binding.runs[key] = mapping.runs(st.src_blocks, dst, first, last, dests.heads)
-            except ValueError as e:
-                self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
-                return
-        copies = mapping.layer_copies(layer, runs)
+        try:
+            runs = self._runs(st, binding, layer, first, last)
+        except ValueError as e:
+            self._end(st, TransferState.FAILED, f"layer {layer}: {e}")
+            return
+        copies = binding.peer.mapping.layer_copies(layer, runs)
         binding.inflight += 1
         started = time.monotonic()
         future = ctx.transport.write(binding.peer.peer_id, copies)
         timer = ctx.loop.call_later(ctx.config.write_timeout_s, self._write_timed_out, binding, future)
         done = functools.partial(self._write_done, st, binding, layer, (first, last), started, timer)
         future.add_done_callback(functools.partial(ctx.io.call_soon, done))
+
+    @staticmethod
+    def _runs(st: Send, binding: Binding, layer: int, first: int, last: int) -> list[tuple[int, int, int]]:
+        """The copy runs of tokens ``[first, last)`` of ``layer`` into this D rank (cached per binding);
+        ``ValueError`` when the tables cannot take them."""
+        dests = binding.dests
+        per_layer = dests.layer_block_ids is not None
+        key = (first, last, layer if per_layer else -1)
+        runs = binding.runs.get(key)
+        if runs is None:
+            dst = dests.layer_block_ids[layer] if dests.layer_block_ids is not None else dests.block_ids
+            runs = binding.runs[key] = binding.peer.mapping.runs(st.src_blocks, dst, first, last, dests.heads)
+        return runs
+
+    def _checksums(self, st: Send, binding: Binding) -> Checksums | None:
+        """Integrity mode: the checksums of everything written to this D rank (None when the mode is off).
+
+        Over the whole span D asked for, after every write landed: what D holds now is what the last write
+        of each granule carried, and P's source blocks have not changed since (``integrity`` explains why
+        not per write). ``ValueError`` when the run tables would not fit in a control frame.
+        """
+        kv_bytes = self.ctx.kv_bytes
+        if kv_bytes is None:
+            return None
+        dests, per_layer = binding.dests, binding.dests.layer_block_ids is not None
+        first, last = dests.start_token, dests.num_tokens
+        layers = range(self.ctx.layout.num_layers) if per_layer else range(1)
+        tables = [self._runs(st, binding, layer, first, last) for layer in layers]
+        regions = integrity.hashed_regions(self.ctx.layout, per_layer)
+        if 16 * sum(len(t) for t in tables) > self.ctx.config.max_frame_bytes // 2:
+            raise ValueError(f"its {sum(len(t) for t in tables)} checksummed runs exceed a control frame")
+        return integrity.checksums(kv_bytes, regions, tables)
 
     def _write_timed_out(self, binding: Binding, future: Future[int]) -> None:
         if not future.done():
@@ -336,8 +362,13 @@ class Sender:
             if hole is not None:
                 self._end(st, TransferState.FAILED, hole)
                 return
+            try:
+                sums = self._checksums(st, binding)
+            except ValueError as e:
+                self._end(st, TransferState.FAILED, f"integrity checksums: {e}")
+                return
             # Push model: every byte is in D's memory and P's blocks are read by nobody else.
-            binding.peer.conn.send(Done(st.transfer_id, dests.num_tokens, st.first_token))
+            binding.peer.conn.send(Done(st.transfer_id, dests.num_tokens, st.first_token, sums))
             binding.done = True
         if st.fanout and sum(b.done for b in st.bindings) == st.fanout:
             st.exposed_s = time.monotonic() - st.finished_at

@@ -5,7 +5,9 @@ counters (read by the adapters' metrics)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 from pd_connector.settings import ConnectorSettings, TransferSettings
 
@@ -78,6 +80,16 @@ class TransferState(enum.Enum):
         return self in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
 
 
+class _Stateful(Protocol):
+    state: TransferState
+
+
+def state_in(table: Mapping[str, _Stateful], transfer_id: str) -> TransferState | None:
+    """The state of ``transfer_id`` in one side's table of live transfers, None when it holds none."""
+    entry = table.get(transfer_id)
+    return None if entry is None else entry.state
+
+
 @dataclass(frozen=True)
 class TransferResult:
     """A transfer that ended, reported exactly once by ``TransferEngine.poll``.
@@ -121,4 +133,6 @@ class TransferCounters:
     layer_seconds: float = 0.0
     exposed_seconds: float = 0.0
     rejected_connections: int = 0
+    #: D: loads failed because the KV that landed did not match P's checksums (``integrity_check``).
+    integrity_failures: int = 0
     per_layer_seconds: dict[int, float] = field(default_factory=dict)
