@@ -81,6 +81,7 @@ class WorkerEvents:
         self._worker = worker
         self._router_hash: dict[BlockHash, int] = {}  # engine block hash -> the router's
         self._next_seq: int | None = None
+        self._warned_size = False
 
     def apply(self, seq: int, payload: bytes) -> str:
         """Apply one message; returns what it was: ``batch``, ``gap`` (applied after clearing the view) or
@@ -117,8 +118,19 @@ class WorkerEvents:
         if event.extra_keys and any(k is not None for k in event.extra_keys):
             return
         size = self._index.block_size
-        if event.block_size != size or len(event.token_ids) != size * len(event.block_hashes):
-            return  # another block size than the router's: the chains would not line up
+        if event.block_size != size:
+            if not self._warned_size:  # once per worker: every batch of such a worker would say it again
+                self._warned_size = True
+                log.warning(
+                    "KV events of %s are ignored: its blocks hold %d tokens, kv_routing.block_size is %d "
+                    "(set it to the engines' block size)",
+                    self._worker,
+                    event.block_size,
+                    size,
+                )
+            return  # the chains would not line up
+        if len(event.token_ids) != size * len(event.block_hashes):
+            return
         if event.parent_block_hash is None:
             parent = self._index.root
         else:

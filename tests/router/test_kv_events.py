@@ -4,10 +4,12 @@ started with ``--kv-events-config`` runs) against the router's subscriber, and t
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from pathlib import Path
 
 import msgspec
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -129,6 +131,27 @@ def test_blocks_the_router_cannot_name_are_skipped() -> None:
         events.apply(len(skipped), _payload(BlockRemoved(block_hashes=[b"never-stored"], medium=None)))
         == "batch"
     )
+
+
+def test_another_block_size_is_said_once_per_worker(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker whose engine runs another block size than ``kv_routing.block_size`` would silently never
+    count as holding anything: the log says why, and what to set, once."""
+    index = PrefixIndex(BLOCK, 1000, random.Random(0))
+    events = WorkerEvents(index, "d0")
+    other = BlockStored(
+        block_hashes=[b"x5"],
+        parent_block_hash=None,
+        token_ids=A,
+        block_size=8,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    with caplog.at_level(logging.WARNING, logger="router.kv_events"):
+        for seq in range(3):
+            events.apply(seq, _payload(other))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "blocks hold 8 tokens, kv_routing.block_size is 4" in warning and "d0" in warning
 
 
 def test_a_sequence_gap_clears_the_view_and_garbage_is_ignored() -> None:
