@@ -35,19 +35,25 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Shape of the random Llama. Defaults are the test model; ``PRESETS`` names the larger ones."""
+class _Spec:
+    """What every random model has, whatever its attention: its size, and the seed and spread of its weights."""
 
     num_layers: int = 4
     hidden_size: int = 256
     num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
     intermediate_size: int = 512
     vocab_size: int = 2048
     max_position_embeddings: int = 2048
     seed: int = 0
     init_std: float = 0.08
+
+
+@dataclass(frozen=True)
+class ModelSpec(_Spec):
+    """Shape of the random Llama. Defaults are the test model; ``PRESETS`` names the larger ones."""
+
+    num_kv_heads: int = 2
+    head_dim: int = 64
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """Bytes of K and V per token over all layers (the quantity the connector moves)."""
@@ -55,24 +61,17 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class MLASpec:
+class MLASpec(_Spec):
     """Shape of a random DeepSeek-V2-style model with multi-head latent attention (MLA): its KV cache is one
     latent vector per token and layer (``kv_lora_rank + qk_rope_head_dim``), no K/V heads. vLLM's CPU MLA
     kernel takes latents of 576 only (DeepSeek's 512 + 64), so those two stay; the rest is small. MoE layers
     are left out (every layer dense): the test is about the cache, not the experts."""
 
     num_layers: int = 2
-    hidden_size: int = 256
-    num_heads: int = 4
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 32
     v_head_dim: int = 32
-    intermediate_size: int = 512
-    vocab_size: int = 2048
-    max_position_embeddings: int = 2048
-    seed: int = 0
-    init_std: float = 0.08
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """Bytes of the latent per token over all layers (the quantity the connector moves)."""
@@ -171,16 +170,30 @@ def build(out: Path, spec: ModelSpec | MLASpec) -> Path:
     return out
 
 
+def _config_args(spec: ModelSpec | MLASpec, tokenizer: Any) -> dict[str, Any]:
+    """The Hugging Face config arguments every random model takes from its spec and tokenizer."""
+    return {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.init_std,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
 def _deepseek_v2(spec: MLASpec, tokenizer: Any) -> Any:
     """A DeepSeek-V2 model of ``spec`` (random weights drawn by the caller)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
+        **_config_args(spec, tokenizer),
         num_key_value_heads=spec.num_heads,
         kv_lora_rank=spec.kv_lora_rank,
         q_lora_rank=None,
@@ -188,13 +201,6 @@ def _deepseek_v2(spec: MLASpec, tokenizer: Any) -> Any:
         qk_nope_head_dim=spec.qk_nope_head_dim,
         v_head_dim=spec.v_head_dim,
         first_k_dense_replace=spec.num_layers,  # every layer dense
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
     )
     return DeepseekV2ForCausalLM(config)
 
@@ -204,20 +210,7 @@ def _llama(spec: ModelSpec, tokenizer: Any) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
+        **_config_args(spec, tokenizer), num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim
     )
     return LlamaForCausalLM(config)
 
