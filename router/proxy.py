@@ -40,7 +40,7 @@ from router.http1 import Pool
 from router.legs import Legs, cancel
 from router.metrics import RouterMetrics
 from router.policy import Decision, Policy, PolicyInput, Route
-from router.relay import ClientGone, relay, write_error
+from router.relay import ClientGone, ClientStream, relay, write_error
 from router.requests import Parsed
 from router.resume import resume
 from router.streaming import StreamState
@@ -278,6 +278,7 @@ class Proxy:
         )
         route = "local" if local else "disagg"
         state = StreamState(need_text=parsed.kind == "chat") if parsed.resumable else None
+        stream = ClientStream(client, state, strip, self.metrics, route, self.cfg.timeouts.idle_s)
         try:
             with self.balancer.lease(decode):
                 try:
@@ -296,26 +297,14 @@ class Proxy:
                     if stamps is not None:
                         stamps.mark("client_first_byte")
                     self.metrics.ttft_for(route).observe(time.monotonic() - start)
-                    err = await relay(
-                        client,
-                        resp,
-                        decode,
-                        first,
-                        state,
-                        stitcher,
-                        strip,
-                        self.metrics,
-                        route,
-                        self.cfg.timeouts.idle_s,
-                        lead,
-                    )
+                    err = await relay(stream, resp, decode, first, stitcher, lead)
                 finally:
                     resp.close()
             if err is None:
                 decode.circuit.record_success()
                 return None
             self.legs.fail(decode, err, failed)
-            await resume(self.legs, client, parsed, path, state, err, failed, route, strip)
+            await resume(self.legs, stream, parsed, path, err, failed)
             return None
         except ClientGone:
             self.metrics.client_disconnects.inc()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from router.balancer import Worker
 from router.downstream import Downstream, http_chunk
@@ -48,17 +49,26 @@ async def write_error(client: Downstream, message: str, status: int = 502) -> No
     await write(client, DONE)
 
 
+@dataclass(frozen=True)
+class ClientStream:
+    """One streamed request's client side, the same for its first decode leg and each resumed one: where the
+    events go, what the token state records (``state``, None when the stream cannot be resumed), whether token
+    ids are stripped, and the route its inter-token latency is counted under."""
+
+    client: Downstream
+    state: StreamState | None
+    strip: bool
+    metrics: RouterMetrics
+    route: str
+    idle_s: float
+
+
 async def relay(
-    client: Downstream,
+    stream: ClientStream,
     resp: Response,
     worker: Worker,
     first: bytes,
-    state: StreamState | None,
     stitcher: Stitcher | None,
-    strip: bool,
-    metrics: RouterMetrics,
-    route: str,
-    idle_s: float,
     lead: bytes = b"",
 ) -> UpstreamError | None:
     """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
@@ -70,6 +80,7 @@ async def relay(
     coroutine only waits for the end, an error, the idle timeout or a slow client. After ``[DONE]`` the
     upstream connection is released for reuse; the caller closes it on any other exit.
     """
+    client, state, strip, idle_s = stream.client, stream.state, stream.strip, stream.idle_s
 
     def transform(batch: bytes) -> bytes:
         if stitcher is not None:
@@ -90,7 +101,7 @@ async def relay(
     transport = client.transport
     if transport is None:
         raise ClientGone
-    pump = Pump(transport, client.chunked, transform, metrics.itl_for(route), resp)
+    pump = Pump(transport, client.chunked, transform, stream.metrics.itl_for(stream.route), resp)
     resp.divert(pump.feed)
     try:
         while True:

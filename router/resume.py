@@ -17,7 +17,7 @@ import msgspec
 from router.balancer import Worker
 from router.downstream import Downstream
 from router.legs import Legs, cancel
-from router.relay import relay, write, write_error
+from router.relay import ClientStream, relay, write, write_error
 from router.requests import Parsed
 from router.streaming import DONE, Stitcher, StreamState, continuation
 from router.upstream import UpstreamError
@@ -28,16 +28,14 @@ log = logging.getLogger("router.proxy")
 
 async def resume(
     legs: Legs,
-    client: Downstream,
+    stream: ClientStream,
     parsed: Parsed,
     path: str,
-    state: StreamState | None,
     err: UpstreamError,
     failed: set[Worker],
-    route: str,
-    strip: bool,
 ) -> None:
     """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
+    client, state, strip = stream.client, stream.state, stream.strip
     cfg, balancer, metrics = legs.cfg, legs.balancer, legs.metrics
     for _ in range(cfg.retry.max_resumes if state is not None else 0):
         assert state is not None
@@ -68,18 +66,7 @@ async def resume(
                     err = e
                     continue
                 try:
-                    result = await relay(
-                        client,
-                        resp,
-                        decode,
-                        first,
-                        state,
-                        stitcher,
-                        strip,
-                        metrics,
-                        route,
-                        cfg.timeouts.idle_s,
-                    )
+                    result = await relay(stream, resp, decode, first, stitcher)
                 finally:
                     resp.close()
         finally:
