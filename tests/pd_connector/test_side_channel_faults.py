@@ -1,0 +1,79 @@
+"""Faults on D's control connection to P's side channel, injected by ``test_support.fault_proxy`` between two
+real transfer engines over the TCP data plane: a reset mid-transfer fails the transfer on both sides at once
+(well inside the configured timeouts), leaves no state and no lease behind, and the next transfer, on a new
+connection, goes through."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pd_connector.transfer import TransferEngine, TransferState
+from pd_connector.transport.factory import TransportConfig, create_transport
+from test_support.fault_proxy import FaultProxy
+from tests.pd_connector.engines import (
+    FAST,
+    SLACK_S,
+    SMALL,
+    KVCache,
+    addr,
+    assert_no_state,
+    closing,
+    make_engine,
+)
+from tests.pd_connector.engines import wait_results as wait
+from tests.polling import wait_until
+
+pytestmark = pytest.mark.unit
+
+#: Long leases and load timeouts, so a transfer that ends fast ended because of the reset, not a timer.
+CONFIG = {**FAST, "lease_s": 30.0, "load_timeout_s": 30.0}
+SRC, DST = [3, 5, 7], [10, 2, 4]
+
+
+@pytest.fixture
+def tcp_pair() -> Iterator[tuple[TransferEngine, TransferEngine, KVCache, KVCache]]:
+    pc, dc = KVCache(SMALL, 32, seed=1), KVCache(SMALL, 32, seed=None)
+    tcp = TransportConfig(kind="tcp")
+    p = make_engine(pc, create_transport(tcp), True, "P", **CONFIG)
+    d = make_engine(dc, create_transport(tcp), False, "D", **CONFIG)
+    with closing(p, d):
+        yield p, d, pc, dc
+
+
+def test_a_side_channel_reset_mid_transfer_fails_both_sides_cleanly(
+    tcp_pair: tuple[TransferEngine, TransferEngine, KVCache, KVCache],
+) -> None:
+    p, d, pc, dc = tcp_pair
+    host, port = addr(p).rsplit(":", 1)
+    with FaultProxy((host, int(port))) as proxy:
+        d.expect("cut", proxy.address, DST, 12)
+        p.offer("cut", SRC)
+        p.push_layer("cut", 0)
+        # Mid-transfer: layer 0 landed in D's memory and D heard of it; layers 1 and 2 are still to come.
+        wait_until(lambda: d.state("cut") is TransferState.TRANSFERRING, what="layer 0 landed on D")
+        assert proxy.reset_connections() == 1
+        reset_at = time.monotonic()
+        got_d, got_p = wait(d, {"cut"})["cut"], wait(p, {"cut"})["cut"]
+        took = time.monotonic() - reset_at
+        assert got_d.state is TransferState.FAILED and "lost" in got_d.reason, got_d
+        assert got_p.state is TransferState.FAILED and "lost" in got_p.reason, got_p
+        assert not got_p.lease_expired and took < CONFIG["heartbeat_timeout_s"] + SLACK_S
+        p.push_layer("cut", 1)  # the engine's forward pass goes on: its late pushes are ignored, not queued
+        p.finish("cut")
+        assert d.counters().timeouts == 0 and p.counters().expired_leases == 0
+        assert_no_state(p, d)
+
+        # The next transfer dials again (a new connection through the proxy) and goes through.
+        d.expect("next", proxy.address, DST, 12)
+        p.offer("next", SRC)
+        for layer in range(SMALL.num_layers):
+            p.push_layer("next", layer)
+        p.finish("next")
+        assert wait(d, {"next"})["next"].state is TransferState.DONE
+        assert wait(p, {"next"})["next"].state is TransferState.DONE
+        assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
+        assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
+        assert_no_state(p, d)
