@@ -1,0 +1,125 @@
+"""The pure parts of benchmarks.goodput: goodput interpolation at its boundaries, SLO derivation, attainment
+per request class, and the JSON's shape (benchmarks/goodput_analysis.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.goodput_analysis import (
+    WORKLOADS,
+    goodput_rps,
+    ratios,
+    score,
+    slos,
+    summarize,
+    target_met,
+)
+
+MIXED = WORKLOADS["mixed"]
+
+
+def test_goodput_interpolates_between_the_last_holding_and_first_missing_rate() -> None:
+    # 0.95 at 0.2, 0.85 at 0.4: 90% is crossed half-way.
+    assert goodput_rps([(0.1, 1.0), (0.2, 0.95), (0.4, 0.85)]) == (pytest.approx(0.3), False)
+
+
+def test_goodput_at_the_boundaries() -> None:
+    assert goodput_rps([(0.1, 0.5), (0.2, 0.4)]) == (0.0, False)  # the lowest rate already misses
+    assert goodput_rps([(0.1, 1.0), (0.2, 0.9)]) == (0.2, True)  # exactly 90% holds; capped by the sweep
+    assert goodput_rps([(0.3, 0.9), (0.1, 1.0), (0.5, 0.0)]) == (pytest.approx(0.3), False)  # any order
+    # The first crossing counts: a noisy recovery at a higher rate does not raise goodput.
+    assert goodput_rps([(0.1, 1.0), (0.2, 0.8), (0.3, 0.95)])[0] == pytest.approx(0.15)
+    with pytest.raises(ValueError):
+        goodput_rps([])
+
+
+def test_slos_scale_the_idle_figures_and_refuse_nonsense() -> None:
+    slo = slos({"short": 300.0, "long": 4000.0}, 30.0, 2.0)
+    assert slo.ttft_ms == {"short": 600.0, "long": 8000.0}
+    assert slo.tpot_ms == 60.0
+    for bad in ((0.0, 30.0, 2.0), (300.0, 0.0, 2.0), (300.0, 30.0, 0.0)):
+        with pytest.raises(ValueError):
+            slos({"short": bad[0]}, bad[1], bad[2])
+
+
+def test_workload_counts_and_classes() -> None:
+    assert MIXED.counts(10) == {"short": 6, "long": 4}
+    assert sum(MIXED.counts(7).values()) == 7
+    assert MIXED.class_of(2003).name == "long"
+    assert MIXED.class_of(129).name == "short"
+
+
+def result(*reqs: tuple[int, int, float, float, str]) -> dict[str, object]:
+    """A vLLM detailed result from (prompt_len, output_len, ttft_s, latency_s, error) per request."""
+    return {
+        "input_lens": [r[0] for r in reqs],
+        "output_lens": [r[1] for r in reqs],
+        "ttfts": [r[2] for r in reqs],
+        "latencies": [r[3] for r in reqs],
+        "errors": [r[4] for r in reqs],
+        "itls": [[0.05] * (r[1] - 1) if not r[4] else [] for r in reqs],
+        "completed": sum(1 for r in reqs if not r[4]),
+        "failed": sum(1 for r in reqs if r[4]),
+        "duration": 10.0,
+    }
+
+
+def test_attainment_per_class_ttft_and_tpot_and_failures() -> None:
+    slo = slos({"short": 300.0, "long": 4000.0}, 30.0, 2.0)  # TTFT 600 / 8000 ms, TPOT 60 ms
+    res = result(
+        (128, 128, 0.5, 0.5 + 127 * 0.05, ""),  # short, both within
+        (128, 128, 0.7, 0.7 + 127 * 0.05, ""),  # short, TTFT over its class's 600 ms
+        (2000, 200, 7.0, 7.0 + 199 * 0.05, ""),  # long: 7 s is within the long class's 8 s
+        (2000, 200, 1.0, 1.0 + 199 * 0.07, ""),  # long, TPOT 70 ms over 60
+        (2000, 0, 0.0, 0.0, "HTTP 500"),  # failed: never attains
+    )
+    s = score(res, MIXED, {2.0: slo}, sent=5)
+    assert s["attainment"] == {"2.0": 0.4}
+    assert s["failed"] == 1
+    assert s["worst_gap_ms"] == pytest.approx(50.0)
+
+
+def test_targets_and_ratios_with_a_zero_denominator() -> None:
+    goodput = {"aggregated": 0.2, "aggregated_slo": 0.25, "pd": 0.1, "nixl": 0.0}
+    assert ratios(goodput) == {
+        "pd_over_aggregated": 0.5,
+        "pd_over_nixl": None,
+        "best_ours_over_aggregated": 1.25,
+    }
+    assert target_met(goodput, "pd_over_nixl", 1.2) is True  # positive goodput over none
+    assert target_met(goodput, "pd_over_aggregated", 2.0) is False
+    assert target_met({"aggregated": 0.2}, "pd_over_aggregated", 2.0) is None  # pd not run
+
+
+def test_summary_has_the_issue_shape() -> None:
+    scales = [1.5, 2.0, 3.0]
+    slo_by_scale = {k: slos({"short": 300.0, "long": 4000.0}, 30.0, k) for k in scales}
+    ok = score(result((128, 128, 0.2, 0.2 + 127 * 0.03, "")), MIXED, slo_by_scale, sent=1)
+    bad = score(result((128, 128, 9.0, 9.0 + 127 * 0.03, "")), MIXED, slo_by_scale, sent=1)
+    runs = {
+        "mixed": {
+            "aggregated": [(0.1, ok), (0.2, bad)],
+            "aggregated_slo": [(0.1, ok), (0.2, ok), (0.4, bad)],
+            "pd": [(0.1, bad)],
+            "nixl": [(0.1, bad)],
+        }
+    }
+    out = summarize(runs, {"mixed": slo_by_scale}, scales, 2.0)
+    json.dumps(out)  # serialisable as the last stdout line
+    w = out["workloads"]["mixed"]
+    assert set(w) >= {"slo", "goodput_rps", "itl_p99_ms", "worst_gap_ms", "ttft_p99_ms"}
+    assert w["slo"] == {"ttft_ms": {"short": 600.0, "long": 8000.0}, "tpot_ms": 60.0}
+    # 100% then 0%: 90% is crossed a tenth of the way to the next rate.
+    assert w["goodput_rps"] == {"aggregated": 0.11, "aggregated_slo": 0.22, "pd": 0.0, "nixl": 0.0}
+    assert w["at_rate_rps"] == 0.1  # the highest rate every system ran
+    assert set(w["itl_p99_ms"]) == set(runs["mixed"])
+    assert out["ratios"]["mixed"] == {
+        "pd_over_aggregated": 0.0,
+        "pd_over_nixl": None,
+        "best_ours_over_aggregated": 2.0,
+    }
+    assert set(out["by_slo_scale"]) == {"1.5", "2.0", "3.0"}
+    assert out["by_slo_scale"]["3.0"]["workloads"]["mixed"]["slo"]["tpot_ms"] == 90.0
+    assert out["targets"] == {"mixed.best_ours_over_aggregated>=1.5": True, "zero_failed_requests": True}
