@@ -75,8 +75,9 @@ def scattered(rng: np.random.Generator, count: int) -> list[int]:
     return [b for run in runs for b in run][:count]
 
 
-def serve(mode: str, kind: str, tls: str) -> None:
-    """Receiver process: print READY + descriptor/address, then obey ``expect`` lines, print RESULT."""
+def serve(mode: str, kind: str, tls: str, integrity: bool = False) -> None:
+    """Receiver process: print READY + descriptor/address, then obey ``expect`` lines, print RESULT.
+    ``integrity``: the decode engine runs with ``integrity_check`` (verifies P's checksums before DONE)."""
     _arrays, bufs = buffers(None)
     transport = make_transport(kind, tls)
     if mode == "raw":
@@ -84,7 +85,9 @@ def serve(mode: str, kind: str, tls: str) -> None:
         wait_for_exit()
         transport.close()
         return
-    config = TransferConfig(engine_id=f"bench-d-{uuid.uuid4().hex[:6]}", load_timeout_s=120)
+    config = TransferConfig(
+        engine_id=f"bench-d-{uuid.uuid4().hex[:6]}", load_timeout_s=120, integrity_check=integrity
+    )
     engine = TransferEngine(config, LAYOUT, bufs, transport)
     print("READY -", flush=True)
     for line in sys.stdin:
@@ -98,9 +101,10 @@ def serve(mode: str, kind: str, tls: str) -> None:
     engine.close()
 
 
-def receiver(mode: str, kind: str, tls: str) -> Helper:
+def receiver(mode: str, kind: str, tls: str, integrity: bool = False) -> Helper:
     """The decode side's process (``serve``), once it printed READY."""
     argv = [sys.executable, "-m", "benchmarks.transfer_engine", "--serve", mode, "--kind", kind, "--tls", tls]
+    argv += ["--integrity"] if integrity else []
     return Helper(argv, f"{mode} receiver", env=CLEAN_ENV)
 
 
@@ -135,12 +139,16 @@ class RawSide:
 
 
 class EngineSide:
-    """Prefill ``TransferEngine`` here, decode engine in the receiver; timed from first push to DONE."""
+    """Prefill ``TransferEngine`` here, decode engine in the receiver; timed from first push to DONE.
 
-    def __init__(self, kind: str, tls: str) -> None:
-        self.receiver = receiver("engine", kind, tls)
+    ``integrity``: both engines run with ``integrity_check``. ``decode_s``: the last ``once`` timed until the
+    decode side's result came back (what D's verification, in integrity mode, adds to is in it)."""
+
+    def __init__(self, kind: str, tls: str, integrity: bool = False) -> None:
+        self.receiver = receiver("engine", kind, tls, integrity)
         self.arrays, bufs = buffers(1)
-        config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120)
+        self.decode_s = 0.0
+        config = TransferConfig(engine_id="bench-p", listen_port=0, lease_s=120, integrity_check=integrity)
         self.engine = TransferEngine(config, LAYOUT, bufs, make_transport(kind, tls))
         assert self.engine.address is not None
         self.address = self.engine.address
@@ -162,8 +170,10 @@ class EngineSide:
         while not (results := self.engine.poll()):
             time.sleep(0.0002)
         elapsed = time.perf_counter() - t0
-        if results[0].state is not TransferState.DONE or self.receiver.expect("RESULT") != ["done"]:
-            raise RuntimeError(f"transfer {tid} did not complete: {results[0]}")
+        decoded = self.receiver.expect("RESULT")
+        self.decode_s = time.perf_counter() - t0
+        if results[0].state is not TransferState.DONE or decoded != ["done"]:
+            raise RuntimeError(f"transfer {tid} did not complete: {results[0]}, decode {decoded}")
         return elapsed
 
     def close(self) -> None:
@@ -195,9 +205,10 @@ def main() -> None:
     parser.add_argument("--serve", choices=["raw", "engine"], help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="tcp", help=argparse.SUPPRESS)
     parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--integrity", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.kind, args.tls)
+        serve(args.serve, args.kind, args.tls, args.integrity)
         return
     rng = np.random.default_rng(7)
     blocks = PROMPT_TOKENS // LAYOUT.block_tokens

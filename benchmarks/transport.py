@@ -18,7 +18,11 @@ also timed next to a thread of the sender process that spins in Python (``kv_sha
 an engine's threads run Python while its layers are in flight, and a transport thread that lets go of the GIL
 waits up to the switch interval (5 ms) to get it back. ``--tp-pairs`` adds the same prompt over the whole
 model's cache, sent from P's TP ranks into D's for pairs of TP sizes (``tp_pairs``: GB/s and the transfer
-operations per layer, see ``benchmarks/tp_pairs.py``). Progress goes to stderr; the last stdout line is the
+operations per layer, see ``benchmarks/tp_pairs.py``). ``--integrity-paths`` adds what the integrity mode
+(``integrity_check``) costs: the same KV-shaped prompt through a pair of transfer engines (``benchmarks.
+transfer_engine``'s ``EngineSide``: P here, D in its own process), one pair with the mode and one without,
+transfers alternating, timed from the first push until D reported the load (so D's verification is in it):
+``integrity`` gives both GB/s and the run-for-run ratio. Progress goes to stderr; the last stdout line is the
 JSON summary (see docs/performance.md ``## transport``).
 """
 
@@ -32,6 +36,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -39,9 +44,17 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from benchmarks import tp_pairs
+from benchmarks import tp_pairs, transfer_engine
 from benchmarks.helper_process import Helper, wait_for_exit
-from benchmarks.kv_shapes import KV_DST, KV_SRC, POOL_BLOCKS, PROMPT_BLOCKS, huge_pages, small_pages
+from benchmarks.kv_shapes import (
+    KV_DST,
+    KV_SRC,
+    POOL_BLOCKS,
+    PROMPT_BLOCKS,
+    PROMPT_TOKENS,
+    huge_pages,
+    small_pages,
+)
 from pd_connector.transport.base import BlockCopy, MemoryRegion, Transport
 from pd_connector.transport.cma import CmaConfig, build_iovecs, call_bounds, decode_descriptor, vm_call
 from pd_connector.transport.coalesce import coalesce_runs
@@ -513,6 +526,56 @@ def drive(name: str, huge: bool) -> None:
         path.close()
 
 
+#: Transfer-engine data paths whose integrity-mode cost is measured: (transport kind, UCX_TLS).
+INTEGRITY_PATHS = {"tcp": ("tcp", ""), "cma": ("cma", ""), "ucx_sm": ("ucx", UCX_TLS["ucx_sm"])}
+
+
+def integrity_round(path: str, samples: int) -> dict[str, list[float]]:
+    """One round of the integrity cost on ``path``: an engine pair with the mode and one without (fresh
+    processes), a warm-up transfer each, then ``samples`` transfers each, alternating which goes first; seconds
+    from the first push until D reported DONE."""
+    if transfer_engine.LAYOUT.block_bytes != KV_BLOCK or transfer_engine.POOL_BLOCKS != POOL_BLOCKS:
+        raise RuntimeError("benchmarks.transfer_engine's KV shape is not this benchmark's")
+    kind, tls = INTEGRITY_PATHS[path]
+    sides = {mode: transfer_engine.EngineSide(kind, tls, integrity=mode == "on") for mode in ("off", "on")}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for mode, side in sides.items():
+            side.once((KV_SRC, KV_DST, PROMPT_TOKENS), f"warm-{mode}")
+        for sample in range(samples):
+            for mode in ("off", "on") if sample % 2 == 0 else ("on", "off"):
+                sides[mode].once((KV_SRC, KV_DST, PROMPT_TOKENS), f"s{sample}-{mode}")
+                times[mode].append(sides[mode].decode_s)
+        return times
+    finally:
+        for side in sides.values():
+            side.close()
+
+
+def integrity_cost(paths: list[str], reps: int, samples: int) -> dict[str, dict[str, float]]:
+    """Per path, ``reps`` rounds (each its own processes, ``--integrity-round``): the KV-shaped GB/s through
+    the engines without and with the mode (medians) and ``on_vs_off``, the median of run-for-run ratios."""
+    times: dict[str, dict[str, list[float]]] = {p: {"off": [], "on": []} for p in paths}
+    for rep in range(reps):
+        for path in paths:
+            argv = [sys.executable, "-m", "benchmarks.transport", "--integrity-round", path]
+            out = subprocess.run(
+                [*argv, "--samples", str(samples)],
+                stdout=subprocess.PIPE, text=True, check=True, timeout=600, env=CLEAN_ENV,
+            ).stdout  # fmt: skip
+            for mode, seconds in json.loads(out.rsplit("RESULT ", 1)[1]).items():
+                times[path][mode] += seconds
+        log(f"integrity: round {rep + 1}/{reps} done")
+    return {
+        path: {
+            "kv_gbps_off": round(KV_BYTES / statistics.median(t["off"]) / 1e9, 3),
+            "kv_gbps_on": round(KV_BYTES / statistics.median(t["on"]) / 1e9, 3),
+            "on_vs_off": round(statistics.median(o / n for o, n in zip(t["off"], t["on"], strict=True)), 3),
+        }
+        for path, t in times.items()
+    }
+
+
 class Driver:
     """The orchestrator's handle on one sender process (``drive``)."""
 
@@ -558,6 +621,12 @@ def main() -> None:
     parser.add_argument(
         "--tp-transport", default="cma", choices=["cma", "ucx", "tcp"], help="data path of the TP pairs"
     )
+    parser.add_argument(
+        "--integrity-paths",
+        default=",".join(INTEGRITY_PATHS),
+        help="engine data paths to measure the integrity mode's cost on, comma-separated ('' skips)",
+    )
+    parser.add_argument("--integrity-round", choices=list(INTEGRITY_PATHS), help=argparse.SUPPRESS)
     parser.add_argument("--serve", choices=["ucx", "tcp", "cma", "raw", "nixl"], help=argparse.SUPPRESS)
     parser.add_argument("--tls", default="", help=argparse.SUPPRESS)
     parser.add_argument("--drive", choices=list(PATHS), help=argparse.SUPPRESS)
@@ -568,6 +637,12 @@ def main() -> None:
     if args.drive:
         drive(args.drive, not args.no_huge_pages)
         return
+    if args.integrity_round:
+        print("RESULT", json.dumps(integrity_round(args.integrity_round, args.samples)), flush=True)
+        return
+    integrity_paths = [p for p in args.integrity_paths.split(",") if p]
+    if unknown := set(integrity_paths) - INTEGRITY_PATHS.keys():
+        parser.error(f"unknown --integrity-paths {sorted(unknown)}; choose from {','.join(INTEGRITY_PATHS)}")
     wanted = args.paths.split(",")
     if unknown := set(wanted) - PATHS.keys():
         parser.error(f"unknown --paths {sorted(unknown)}; choose from {','.join(PATHS)}")
@@ -615,6 +690,7 @@ def main() -> None:
         not args.no_huge_pages,
         log,
     )
+    integrity = integrity_cost(integrity_paths, args.reps, args.samples)
     gbps = {
         name: [round(MESSAGE_BYTES / statistics.median(seconds[name, c]) / 1e9, 3) for c in CASES[:-1]]
         for name in names
@@ -645,6 +721,8 @@ def main() -> None:
         # the whole model's KV of the prompt from P's TP ranks into D's (see benchmarks/tp_pairs.py)
         "tp_pairs": {name: dataclasses.asdict(result) for name, result in pairs.items()},
         "tp_transport": args.tp_transport,
+        # the KV-shaped prompt through transfer engines with and without integrity_check (see the module doc)
+        "integrity": integrity,
         "reps": args.reps,
         "samples": args.samples,
         "huge_pages": not args.no_huge_pages,
@@ -655,13 +733,19 @@ def main() -> None:
             "block_bytes": KV_BLOCK,
         },
     }
-    summary["ratios"] = ratios(gbps, kv_gbps, idle, paired, kv_spin_gbps) | tp_pairs.ratios(pairs)
+    summary["ratios"] = (
+        ratios(gbps, kv_gbps, idle, paired, kv_spin_gbps)
+        | tp_pairs.ratios(pairs)
+        | {f"integrity_on_vs_off_kv_{path}": r["on_vs_off"] for path, r in integrity.items()}
+    )
     for name in names:
         log(
             f"{name:>10}: "
             + "  ".join(f"{g:7.3f}" for g in gbps[name])
             + f"   kv {kv_gbps.get(name, float('nan')):.3f} GB/s"
         )
+    for path, r in integrity.items():
+        log(f"integrity {path:>6}: off {r['kv_gbps_off']:.3f} GB/s, on {r['kv_gbps_on']:.3f} GB/s")
     for name, result in pairs.items():
         log(f"tp {name:>5}: {result.gbps:7.3f} GB/s, {result.ops_per_layer} operations per layer")
     print(json.dumps(summary))
