@@ -3,12 +3,13 @@
 First an aggregated SGLang server answers the prompts alone (the reference), then a prefill server (P) and
 a decode server (D) with ``--disaggregation-transfer-backend pd`` replace it (never more than two SGLang
 servers at once). Checks: identical greedy output, also for a prompt P prefills in several chunks and
-through SGLang's own router (``sglang-router``); a
-negative control (P writes only layer 0 of one room's KV: D's output changes after the first token); and the failure
-paths end within their timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers
-run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked page or request slot crashes the
-scheduler at its next idle check; the tests wait until the server is idle with empty queues, then require
-it to be alive, leak-free in its log, and still serving.
+through SGLang's own router (``sglang-router``) and pd-router; the transfer metrics on SGLang's /metrics
+(P's bytes sent = D's bytes received = the prompt's KV); a negative control (P sends its first page's KV into
+every page of one room: D's output changes after the first token); and the failure paths end within their
+timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers run with
+``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked page or request slot crashes the scheduler at
+its next idle check; the tests wait until the server is idle with empty queues, then require it to be alive,
+leak-free in its log, and still serving.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.pd_checks import metric, wait_until
 from integration_tests.sglang_client import (
     Reply,
     body,
@@ -32,6 +34,7 @@ from integration_tests.sglang_client import (
 )
 from pd_disagg.engines import base_url, router_server, sglang_router, sglang_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port, running
+from pd_disagg.tiny_model import PRESETS
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -42,6 +45,9 @@ PROMPTS = [
 LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
 MAX_NEW_TOKENS = 12
 CHUNK = ("--chunked-prefill-size", "48")
+METRICS = ("--enable-metrics",)
+#: KV bytes of one token of the tiny model in bfloat16 (SGLang's pages here are one token each).
+TOKEN_KV_BYTES = PRESETS["tiny"].kv_bytes_per_token(2)
 WRONG_KV_ROOM = 4242424242
 BOOTSTRAP_TIMEOUT_S = 10  # P gives up on a decode partner that never comes
 WAITING_TIMEOUT_S = 15  # D gives up on KV that never comes
@@ -80,7 +86,7 @@ def pd_pair(
         cpu_core=0,
         disaggregation_mode="prefill",
         bootstrap_port=bootstrap_port,
-        extra_args=CHUNK,
+        extra_args=(*CHUNK, *METRICS),
         env={
             **COMMON_ENV,
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
@@ -93,6 +99,7 @@ def pd_pair(
         name="sglang-decode",
         cpu_core=1,
         disaggregation_mode="decode",
+        extra_args=METRICS,
         env={
             **COMMON_ENV,
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S),
@@ -163,6 +170,35 @@ def test_disaggregated_output_equals_aggregated(pd_pair, reference):
     assert "(recv) done" in decode.log_path.read_text(errors="replace")
     assert_drained(prefill)
     assert_drained(decode)
+
+
+def _transfer_metric(server: ManagedServer, key: str) -> float:
+    return metric(base_url(server), f"sglang:pd_connector_{key}")
+
+
+def test_transfer_metrics_on_sglang_metrics_endpoint(pd_pair, reference):
+    """The backend's metrics (``pd_connector.metrics``' names, ``sglang:`` prefix) on SGLang's own /metrics:
+    one P->D request of a prompt P sends in several chunks moves exactly its prompt's KV, counted on both."""
+    prefill, decode, port = pd_pair
+    keys = ("bytes_sent_total", "bytes_received_total", "failures_total", "transfer_seconds_count")
+    before = {(s.name, k): _transfer_metric(s, k) for s in (prefill, decode) for k in keys}
+
+    def grew(server: ManagedServer, key: str) -> float:
+        return _transfer_metric(server, key) - before[(server.name, key)]
+
+    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), LONG_PROMPT, MAX_NEW_TOKENS)
+    assert p.ok and d.ok, (p, d)
+    assert d.output_ids == reference[LONG_PROMPT].output_ids
+    wait_until(
+        lambda: grew(prefill, "bytes_sent_total") > 0 and grew(decode, "bytes_received_total") > 0,
+        timeout_s=10,
+        what="the transfer on both /metrics",
+    )
+    prompt_tokens = p.body["meta_info"]["prompt_tokens"]
+    assert grew(prefill, "bytes_sent_total") == prompt_tokens * TOKEN_KV_BYTES
+    assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
+    assert grew(prefill, "transfer_seconds_count") == 1
+    assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
 
 
 def test_negative_control_wrong_kv_changes_output(pd_pair, reference):

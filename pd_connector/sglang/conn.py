@@ -50,6 +50,7 @@ from pd_connector.sglang.compat import (
 )
 from pd_connector.sglang.config import SGLangBackendConfig
 from pd_connector.sglang.kv_buffers import UnsupportedPool, describe_pool, resolve_dtype
+from pd_connector.sglang.stats import TransferMetrics
 from pd_connector.transfer.engine import TransferEngine
 from pd_connector.transfer.types import TransferConfig, TransferResult, TransferState
 
@@ -98,6 +99,12 @@ class PdKVManager(CommonKVManager):
         # CommonKVManager.__init__ calls register_to_bootstrap() on P, which starts the engine's listener.
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         compat.require_manager(self)
+        compat.require_metadata_rows(args)
+        self._pd_metrics = (
+            TransferMetrics(compat.metric_labels(server_args, args, disaggregation_mode))
+            if compat.metrics_enabled(server_args)
+            else None
+        )
         if self._pd_engine is None:
             self._pd_engine = self._start_engine(listen=False)
         if disaggregation_mode == DisaggregationMode.DECODE:
@@ -210,7 +217,10 @@ class PdKVManager(CommonKVManager):
 
     # ---- both sides ------------------------------------------------------------------------------------------
     def fail_room(self, room: int, reason: str) -> None:
-        """Record ``reason``, mark the room Failed and abort its transfer on both sides (idempotent)."""
+        """Record ``reason``, mark the room Failed and abort its transfer on both sides (idempotent; counted
+        once as a failure)."""
+        if self._pd_metrics is not None and self.request_status.get(room) != KVPoll.Failed:
+            self._pd_metrics.failure()
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
         self.abort_transfer(room, reason)
@@ -250,6 +260,8 @@ class PdKVManager(CommonKVManager):
     def _apply(self, result: TransferResult) -> None:
         if not result.transfer_id.startswith("sgl-"):
             return
+        if self._pd_metrics is not None:
+            self._pd_metrics.record(result, self.pd_engine.counters().layer_seconds)
         room = int(result.transfer_id[4:])
         with self._pd_lock:
             self._pd_pages.pop(room, None)

@@ -7,9 +7,10 @@ reads the flag), and (3) puts an AROUND hook on ``sglang.srt.disaggregation.util
 ``conn.py``'s classes for ``PD`` and defers to SGLang for every other backend. Each of these SGLang internals
 is reached through ``compat.py``.
 
-Only versions in ``compat.SUPPORTED_SGLANG`` that have every symbol ``compat.SYMBOLS`` lists are registered;
-otherwise ``register`` logs an error naming the version or the missing symbols and registers nothing (the
-server then rejects ``pd`` as an unknown choice instead of misbehaving). Nothing here raises into SGLang: a
+Only SGLang releases of ``compat.SUPPORTED_LINE`` (from ``compat.PROVEN_ON`` on) that have every symbol and
+parameter ``compat.SYMBOLS`` and ``compat.PARAMETERS`` list are registered (with a warning on a release other
+than the proven one); otherwise ``register`` logs an error naming the version or the missing pieces and
+registers nothing (the server then rejects ``pd`` as an unknown choice instead of misbehaving). Nothing here raises into SGLang: a
 plugin or hook that raises would kill the process that loads it.
 """
 
@@ -56,6 +57,9 @@ def register() -> None:
         if problem is not None:
             logger.error("pd_connector: %s", problem)
             return
+        warning = compat.unproven_warning(compat.sglang_version())
+        if warning is not None:
+            logger.warning("pd_connector: %s", warning)
         compat.add_backend_choice(BACKEND_NAME)
         compat.add_transfer_backend(BACKEND_NAME)
         compat.hook_get_kv_class(get_kv_class_hook)

@@ -17,15 +17,14 @@ blocks of finished requests only); one that ended early (D gone) is no longer fe
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from pd_connector.layout import sends_heads
+from pd_connector.metrics import reported_stages
 from pd_connector.staging import HostStaging, byte_views, plan
-from pd_connector.timeline import RECV_STAGES, SEND_STAGES, spans
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import HOST
@@ -93,7 +92,6 @@ class WorkerSide:
         self._engine: TransferEngine | None = None
         self._sends = producer  # False on a P rank whose heads every D takes from a lower rank
         self._layer_index: dict[str, int] = {}
-        self._written_s = 0.0  # the engine's cumulative layer-write seconds already reported
         # P: each request's push by request id, and the request id of each transfer the engine still runs.
         self._pushes: dict[str, _Push] = {}
         self._pushing: dict[str, str] = {}
@@ -302,10 +300,8 @@ class WorkerSide:
     def _record(self, result: TransferResult, req_id: str | None) -> None:
         """Count an ended transfer, export where its time went, and trace it (D: ``reported`` is now, when
         vLLM learns of it)."""
-        stages = result.stages
-        if result.role == "recv":
-            stages = {**stages, "reported": time.time()}
-        self._stats.stages(spans(stages, SEND_STAGES if result.role == "send" else RECV_STAGES))
+        stages = reported_stages(result)
+        self._stats.record(result, stages)
         if self._trace is not None:
             self._trace.write(
                 TraceRecord(
@@ -319,22 +315,10 @@ class WorkerSide:
                     reason=result.reason,
                 )
             )
-        if result.state is TransferState.DONE:
-            if result.role == "send":
-                self._stats.sent(result.bytes, result.duration_s, result.exposed_s)
-            else:
-                self._stats.received(result.bytes, result.duration_s)
-        elif result.state is TransferState.FAILED:
-            self._stats.failure()
-        if result.lease_expired:
-            self._stats.expired_lease()
 
     def stats(self) -> PDConnectorStats | None:
         if self._engine is not None:
-            written = self._engine.counters().layer_seconds
-            if written > self._written_s:
-                self._stats.write_time(written - self._written_s)
-                self._written_s = written
+            self._stats.write_total(self._engine.counters().layer_seconds)
         return self._stats.drain()
 
     def shutdown(self) -> None:

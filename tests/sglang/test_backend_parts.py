@@ -22,9 +22,24 @@ class Backend(enum.Enum):
 
 def test_unsupported_versions_are_refused_with_reason():
     assert compat.unsupported_reason("0.5.23") is None
-    reason = compat.unsupported_reason("0.6.0")
-    assert reason is not None and "0.6.0" in reason and "0.5.23" in reason
+    for version in ("0.6.0", "0.5.22", "1.5.23"):
+        reason = compat.unsupported_reason(version)
+        assert reason is not None and version in reason and "0.5.23" in reason
     assert compat.unsupported_reason(None) == "sglang is not installed"
+
+
+def test_later_releases_of_the_line_are_checked_by_symbol_and_warned_about():
+    assert compat.unsupported_reason("0.5.24") is None  # its internals decide (startup_problem)
+    assert compat.unproven_warning("0.5.23") is None and compat.unproven_warning("0.5.23.post1") is None
+    warning = compat.unproven_warning("0.5.24")
+    assert warning is not None and "0.5.24" in warning and "0.5.23" in warning
+
+
+def test_missing_parameters_are_named():
+    assert compat.missing_parameters({"json:dumps": ("obj", "indent")}) == []
+    assert compat.missing_parameters({"json:dumps": ("obj", "no_such_param"), "json:nothing": ("x",)}) == [
+        "json:dumps(no_such_param)"  # a missing callable is the symbol check's to name
+    ]
 
 
 def test_extend_enum_adds_a_member_found_by_value_and_is_idempotent():
@@ -135,10 +150,25 @@ def test_first_token_round_trip_through_metadata_rows():
     rooms = np.zeros((4, 8), np.int64)
     bufs = [output_ids, other, rooms]
     args = SimpleNamespace(
-        aux_data_ptrs=[b.ctypes.data for b in bufs], aux_item_lens=[b[0].nbytes for b in bufs]
+        aux_data_ptrs=[b.ctypes.data for b in bufs],
+        aux_data_lens=[b.nbytes for b in bufs],
+        aux_item_lens=[b[0].nbytes for b in bufs],
     )
+    compat.require_metadata_rows(args)
     output_ids[2, 0] = 1234
     assert read_first_token(args, 2) == 1234
     write_first_token(args, 1, 777, (1 << 62) + 5)
     assert output_ids[1, 0] == 777 and rooms[1, 0] == (1 << 62) + 5
     assert not other.any() and rooms[[0, 2, 3]].sum() == 0
+    for row in (4, -1):  # never an address outside the buffers
+        with pytest.raises(IndexError):
+            read_first_token(args, row)
+        with pytest.raises(IndexError):
+            write_first_token(args, row, 1, 1)
+
+
+def test_metadata_rows_laid_out_otherwise_are_refused_at_start():
+    bufs = [np.zeros((4, 8), np.int32), np.zeros((4, 8), np.int64)]  # output_ids rows of 32 bytes
+    args = SimpleNamespace(aux_item_lens=[b[0].nbytes for b in bufs])
+    with pytest.raises(RuntimeError, match="output_ids"):
+        compat.require_metadata_rows(args)

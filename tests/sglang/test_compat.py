@@ -55,6 +55,9 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 del CommonKVReceiver._send_abort_notification
 problem = compat.startup_problem()
 assert "CommonKVReceiver._send_abort_notification" in problem and "sglang 0.5.23" in problem, problem
+CommonKVReceiver.send_metadata = lambda self, kv_indices, aux_index=None: None
+problem = compat.startup_problem()
+assert "CommonKVReceiver.send_metadata(destination)" in problem, problem
 logging.disable(logging.CRITICAL)
 plugin.register()
 from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
