@@ -364,6 +364,10 @@ def _unary(
         "created": int(time.time()),
         "model": model,
     }
+    # vLLM's field order: the choice's own fields, then the shared ones; the answer's prompt fields sit on the
+    # choice of a completion and on the answer of a chat completion.
+    prompt_fields: dict[str, Any] = {"prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+    own: dict[str, Any]
     if chat:
         message = {
             "role": "assistant",
@@ -374,50 +378,30 @@ def _unary(
             "function_call": None,
             "reasoning": None,
         }
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": ids,
-            "routed_experts": None,
-        }
-        out = {
-            **head,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": FINGERPRINT,
-            "usage": usage,
-            "prompt_logprobs": None,
-            "prompt_token_ids": prompt_ids,
-            "prompt_text": None,
-            "kv_transfer_params": kv,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        own, choice_extra, answer_extra = {"message": message}, {}, {**prompt_fields, "prompt_text": None}
     else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-            "token_ids": ids,
-            "prompt_logprobs": None,
-            "prompt_token_ids": prompt_ids,
-            "routed_experts": None,
-        }
-        out = {
-            **head,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": FINGERPRINT,
-            "usage": usage,
-            "kv_transfer_params": kv,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        own, choice_extra, answer_extra = {"text": text}, prompt_fields, {}
+    choice = {
+        "index": 0,
+        **own,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": ids,
+        **choice_extra,
+        "routed_experts": None,
+    }
+    out = {
+        **head,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": usage,
+        **answer_extra,
+        "kv_transfer_params": kv,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
     return web.Response(body=msgspec.json.encode(out), content_type="application/json")
 
 
