@@ -12,28 +12,17 @@ def ev(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def _chunk(obj: str, own: dict, finish, rid, created) -> bytes:
+    choice = {"index": 0, **own, "logprobs": None, "finish_reason": finish}
+    return ev({"id": rid, "object": obj, "created": created, "model": "m", "choices": [choice]})
+
+
 def comp_chunk(text, finish=None, rid="cmpl-1", created=10):
-    return ev(
-        {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": "m",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        }
-    )
+    return _chunk("text_completion", {"text": text}, finish, rid, created)
 
 
 def chat_chunk(delta, rid="chatcmpl-1", created=10):
-    return ev(
-        {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": "m",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-        }
-    )
+    return _chunk("chat.completion.chunk", {"delta": delta}, None, rid, created)
 
 
 def parsed(kind, body, max_tokens=8):
