@@ -20,7 +20,8 @@ from aiohttp.web_runner import AppRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from router.app import STATE, RouterState, make_app
-from router.config import RouterConfig, parse_config
+from router.balancer import Balancer
+from router.config import CircuitConfig, RouterConfig, WorkerConfig, parse_config
 from router.front_runner import FrontRunner
 from test_support.fake_vllm import FakeEngine, Pairings
 
@@ -153,3 +154,14 @@ def short_prompt() -> str:
 
 def long_prompt() -> str:
     return " ".join(f"word{i}" for i in range(64))
+
+
+def make_balancer(n_p: int, n_d: int, circuit: CircuitConfig, seed: int, **options: Any) -> Balancer:
+    """A ``Balancer`` (no servers) over ``n_p`` prefill workers ``http://p{i}:1`` (side channel ``h:1``) and
+    ``n_d`` decode workers ``http://d{i}:1``; ``options`` are the balancer's (``clock``, ``kv``)."""
+    b = Balancer(circuit, random.Random(seed), **options)
+    for i in range(n_p):
+        b.add(WorkerConfig(f"http://p{i}:1", bootstrap="h:1"), "prefill")
+    for i in range(n_d):
+        b.add(WorkerConfig(f"http://d{i}:1"), "decode")
+    return b

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from router.balancer import Balancer
-from router.config import CircuitConfig, HealthConfig, WorkerConfig
+from router.config import CircuitConfig, HealthConfig
 from router.health import CircuitBreaker, CircuitState, apply_check
+from tests.router.conftest import make_balancer
 
 
 class Clock:
@@ -20,12 +19,7 @@ class Clock:
 
 
 def _balancer(n_p: int = 3, n_d: int = 3, clock: Clock | None = None) -> Balancer:
-    b = Balancer(CircuitConfig(failure_threshold=2, open_s=5.0), random.Random(1), clock or Clock())
-    for i in range(n_p):
-        b.add(WorkerConfig(f"http://p{i}:1", bootstrap="h:1"), "prefill")
-    for i in range(n_d):
-        b.add(WorkerConfig(f"http://d{i}:1"), "decode")
-    return b
+    return make_balancer(n_p, n_d, CircuitConfig(failure_threshold=2, open_s=5.0), 1, clock=clock or Clock())
 
 
 def test_prefill_picks_least_outstanding_tokens() -> None:

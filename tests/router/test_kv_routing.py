@@ -3,15 +3,14 @@ uncached tokens, and a router in front of fake engines routing a multi-turn conv
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from router.balancer import Balancer
-from router.config import CircuitConfig, KvRoutingConfig, PolicyConfig, WorkerConfig
+from router.config import CircuitConfig, KvRoutingConfig, PolicyConfig
 from router.policy import CacheCost, PolicyInput, PoolLoad, Route, ThresholdPolicy
-from tests.router.conftest import MODEL, write_word_tokenizer
+from tests.router.conftest import MODEL, make_balancer, write_word_tokenizer
 
 IDLE = PoolLoad(workers=2)
 KV = KvRoutingConfig(block_size=4, max_blocks_per_worker=1000, load_tokens=10)
@@ -53,12 +52,7 @@ def test_cache_cost_at_its_boundaries() -> None:
 
 
 def _balancer(n_d: int = 3, n_p: int = 2, kv: KvRoutingConfig | None = KV) -> Balancer:
-    b = Balancer(CircuitConfig(), random.Random(3), kv=kv)
-    for i in range(n_p):
-        b.add(WorkerConfig(f"http://p{i}:1", bootstrap="h:1"), "prefill")
-    for i in range(n_d):
-        b.add(WorkerConfig(f"http://d{i}:1"), "decode")
-    return b
+    return make_balancer(n_p, n_d, CircuitConfig(), 3, kv=kv)
 
 
 def test_decode_holding_the_prefix_wins_until_its_load_outweighs_it() -> None:
