@@ -120,13 +120,19 @@ async def test_chat_max_completion_tokens_is_one_on_prefill(make_cluster) -> Non
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
 
 
-async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
-    c = await make_cluster(n_decode=1, flow="vllm-standard")
+async def _legs_of_one_request(make_cluster, flow: str) -> tuple[dict, dict]:
+    """One long completion through a 1 P + 1 D cluster in ``flow``: the bodies P and D received."""
+    c = await make_cluster(n_decode=1, flow=flow)
     r = await c.router.post(
         "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
     )
     assert r.status == 200
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
+    return p, d
+
+
+async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
+    p, d = await _legs_of_one_request(make_cluster, "vllm-standard")
     assert p["kv_transfer_params"] == wire.encode(wire.StandardPrefill()) and p["max_tokens"] == 1
     returned = wire.parse_params(d["kv_transfer_params"])
     assert isinstance(returned, wire.PrefillReturned) and returned.pd_prefill_addr == "127.0.0.1:7600"
@@ -134,12 +140,7 @@ async def test_vllm_standard_flow_forwards_prefill_params(make_cluster) -> None:
 
 
 async def test_sglang_bootstrap_fields_on_both_legs(make_cluster) -> None:
-    c = await make_cluster(n_decode=1, flow="sglang-bootstrap")
-    r = await c.router.post(
-        "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
-    )
-    assert r.status == 200
-    (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
+    p, d = await _legs_of_one_request(make_cluster, "sglang-bootstrap")
     keys = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
     assert [p[k] for k in keys] == [d[k] for k in keys] == ["127.0.0.1", 7000, p["bootstrap_room"]]
     assert 0 <= p["bootstrap_room"] < 2**63
