@@ -19,6 +19,16 @@ from pd_disagg.servers import (
 )
 
 
+def _server(tmp_path: Path, name: str, code: str, port: int | None = None) -> ManagedServer:
+    """A ``python -c code`` server whose health URL is on ``port`` (default: a free port nothing listens on)."""
+    return ManagedServer(
+        name=name,
+        argv=[sys.executable, "-c", code],
+        log_path=tmp_path / f"{name}.log",
+        health_url=f"http://127.0.0.1:{port or free_port()}/health",
+    )
+
+
 def _http_server(tmp_path: Path, port: int, extra: str = "") -> ManagedServer:
     code = (
         "import http.server, os, subprocess, sys\n"
@@ -28,12 +38,7 @@ def _http_server(tmp_path: Path, port: int, extra: str = "") -> ManagedServer:
         "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
         f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
     )
-    return ManagedServer(
-        name="fake",
-        argv=[sys.executable, "-c", code],
-        log_path=tmp_path / "fake.log",
-        health_url=f"http://127.0.0.1:{port}/health",
-    )
+    return _server(tmp_path, "fake", code, port)
 
 
 def test_running_waits_for_health_and_stops_the_group(tmp_path: Path) -> None:
@@ -46,12 +51,7 @@ def test_running_waits_for_health_and_stops_the_group(tmp_path: Path) -> None:
 
 
 def test_exit_before_health_raises_with_log(tmp_path: Path) -> None:
-    server = ManagedServer(
-        name="crash",
-        argv=[sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
-        log_path=tmp_path / "crash.log",
-        health_url=f"http://127.0.0.1:{free_port()}/health",
-    )
+    server = _server(tmp_path, "crash", "print('boom'); raise SystemExit(3)")
     with (
         pytest.raises(ServerStartError, match=r"(?s)exited with code 3.*boom"),
         running(server, timeout_s=20),
@@ -61,12 +61,7 @@ def test_exit_before_health_raises_with_log(tmp_path: Path) -> None:
 
 
 def test_health_timeout_raises_and_kills(tmp_path: Path) -> None:
-    server = ManagedServer(
-        name="mute",
-        argv=[sys.executable, "-c", "import time; time.sleep(600)"],
-        log_path=tmp_path / "mute.log",
-        health_url=f"http://127.0.0.1:{free_port()}/health",
-    )
+    server = _server(tmp_path, "mute", "import time; time.sleep(600)")
     with pytest.raises(ServerStartError, match="not healthy after"), running(server, timeout_s=1.5):
         pass
     assert not server.alive()
