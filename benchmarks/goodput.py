@@ -40,7 +40,16 @@ from rich.progress import MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from benchmarks import goodput_plots
 from benchmarks.first_token import body, stream
-from benchmarks.goodput_analysis import WORKLOADS, Slo, Workload, failed_run, score, slos, summarize
+from benchmarks.goodput_analysis import (
+    WORKLOADS,
+    Slo,
+    Workload,
+    failed_run,
+    score,
+    slos,
+    stage_means,
+    summarize,
+)
 from benchmarks.goodput_systems import SERVED, SYSTEMS, System, build
 from pd_disagg.engines import base_url
 from pd_disagg.tiny_model import bench_model
@@ -186,7 +195,7 @@ def run_system(
         for i, rate in enumerate(sorted(sizes)):
             n = sizes[rate]
             progress.update(task, description=f"{workload.name}: {name} at {rate:g} req/s ({n} requests)")
-            before = system.kv_counters()
+            before, stages = system.kv_counters(), system.stage_seconds()
             tag = f"{workload.name}-{name}-{rate:g}"
             try:
                 res = bench(
@@ -198,6 +207,7 @@ def run_system(
             except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
                 point = failed_run(n, f"{type(exc).__name__}: {exc}"[:300], args.slo_scales)
             point["kv_check"] = kv_check(system, workload, before, system.kv_counters())
+            point["engines"] = stage_means(stages, system.stage_seconds())
             points.append((rate, point))
             progress.advance(task)
             log(

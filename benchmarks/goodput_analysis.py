@@ -143,6 +143,21 @@ def failed_run(sent: int, why: str, scales: list[float]) -> dict[str, Any]:
     }
 
 
+def stage_means(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Per engine, the requests it finished between two ``System.stage_seconds`` reads and their mean queue,
+    prefill and decode times (ms): queueing on P vs on D, P's prefill, D's wait for its first step."""
+    out: dict[str, Any] = {}
+    for role, b in before.items():
+        a = after[role]
+        n = a["requests"] - b["requests"]
+        out[role] = {"requests": int(n)} | {
+            key.replace("_s", "_ms_mean"): round(1000 * (a[key] - b[key]) / n, 1) if n else None
+            for key in a
+            if key != "requests"
+        }
+    return out
+
+
 def goodput_rps(points: list[tuple[float, float]], target: float = ATTAINMENT) -> tuple[float, bool]:
     """Goodput from a sweep's (rate, attainment) points and whether it is capped by the highest rate run.
 

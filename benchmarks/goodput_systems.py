@@ -30,6 +30,7 @@ from pd_disagg.servers import ManagedServer, free_port
 SYSTEMS = ("aggregated", "aggregated_slo", "pd", "nixl")
 BLOCK_TOKENS = 32  # pd_disagg.engines.VLLM_CPU_ARGS' --block-size: the router's KV index names blocks alike
 SLO_SCHEDULER = "scheduler_plugins.vllm.SLOScheduler"
+STAGES = ("queue", "prefill", "decode")  # vLLM's per-request stage histograms
 
 
 @dataclass
@@ -59,6 +60,19 @@ class System:
         for server in reversed(self.started):
             server.stop()
         self.started.clear()
+
+    def stage_seconds(self) -> dict[str, dict[str, float]]:
+        """Per engine (by role: e0/e1, prefill/decode): requests finished and the summed seconds of vLLM's
+        per-request stage histograms (``vllm:request_{queue,prefill,decode}_time_seconds``): where the time
+        of a run's requests went on each engine, as deltas between two reads."""
+        out = {}
+        for server in self.engines:
+            url = base_url(server)
+            out[server.name.split("-", 1)[1]] = {
+                "requests": metric(url, "vllm:request_queue_time_seconds_count"),
+                **{f"{s}_s": metric(url, f"vllm:request_{s}_time_seconds_sum") for s in STAGES},
+            }
+        return out
 
     def kv_counters(self) -> dict[str, float]:
         """Counters that show KV movement: bytes P sent and loads that failed (``pd``), bytes D pulled and

@@ -13,6 +13,7 @@ from benchmarks.goodput_analysis import (
     ratios,
     score,
     slos,
+    stage_means,
     summarize,
     target_met,
 )
@@ -123,3 +124,12 @@ def test_summary_has_the_issue_shape() -> None:
     assert set(out["by_slo_scale"]) == {"1.5", "2.0", "3.0"}
     assert out["by_slo_scale"]["3.0"]["workloads"]["mixed"]["slo"]["tpot_ms"] == 90.0
     assert out["targets"] == {"mixed.best_ours_over_aggregated>=1.5": True, "zero_failed_requests": True}
+
+
+def test_stage_means_are_per_engine_deltas() -> None:
+    before = {"prefill": {"requests": 2.0, "queue_s": 1.0, "prefill_s": 8.0, "decode_s": 0.0}}
+    after = {"prefill": {"requests": 6.0, "queue_s": 3.0, "prefill_s": 24.0, "decode_s": 0.0}}
+    assert stage_means(before, after) == {
+        "prefill": {"requests": 4, "queue_ms_mean": 500.0, "prefill_ms_mean": 4000.0, "decode_ms_mean": 0.0}
+    }
+    assert stage_means(before, before)["prefill"]["queue_ms_mean"] is None  # nothing finished
