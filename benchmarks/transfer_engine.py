@@ -6,8 +6,8 @@ This process is the prefill side. Per repetition it moves one prompt:
 - raw: ``attach`` once, then one ``write`` per layer, all posted back to back, timed until every future
   resolved (the data is in the peer's memory), watched by the same polling loop as the engine's ``poll()``;
 - engine: the peer ``expect``s, this side ``offer``s, ``push_layer``s every layer and ``finish``es, timed
-  from the first push until the prefill side's result is DONE (every write landed, ``Done`` sent, the
-  decode side's ``Ack`` back), i.e. including the control-plane round trips.
+  from the first push until the prefill side's result is DONE (every write landed and ``Done`` sent: P
+  waits for no acknowledgement in the push model), i.e. the writes plus what the engine adds on P's side.
 
 KV shape: 32 layers, K and V split, 4 KV heads x 128 x bf16, 16-token blocks (16 KiB per block and region),
 a 4096-token prompt (256 blocks per region, 256 MiB in all) scattered over a 384-block pool on both sides;
