@@ -6,34 +6,25 @@ from pathlib import Path
 
 import pytest
 
-from pd_disagg.tiny_model import ModelSpec, build, main
+from pd_disagg.tiny_model import PRESETS, ModelSpec, build, main
 
-SMALL = ModelSpec(
-    num_layers=1,
-    hidden_size=64,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=32,
-    intermediate_size=64,
-    vocab_size=512,
-    max_position_embeddings=128,
-)
+TINY = PRESETS["tiny"]  # the model the tests and the demo use
 
 
 def test_build_is_deterministic_and_cached(tmp_path: Path) -> None:
-    a = build(tmp_path / "a", SMALL)
-    b = build(tmp_path / "b", SMALL)
+    a = build(tmp_path / "a", TINY)
+    b = build(tmp_path / "b", TINY)
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
     mtime = (a / "model.safetensors").stat().st_mtime_ns
-    build(tmp_path / "a", SMALL)
+    build(tmp_path / "a", TINY)
     assert (a / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_tokenizer_round_trips_and_has_chat_template(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(build(tmp_path / "m", SMALL))
+    tok = AutoTokenizer.from_pretrained(build(tmp_path / "m", TINY))
     text = "def f(x):\n    return x + 1  # ünïcode"
     assert tok.decode(tok(text).input_ids) == text
     chat = tok.apply_chat_template(
