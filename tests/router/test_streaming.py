@@ -12,13 +12,20 @@ def ev(obj) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def _chunk(obj: str, own: dict, finish, rid, created) -> bytes:
-    choice = {"index": 0, **own, "logprobs": None, "finish_reason": finish}
+def _chunk(obj: str, own: dict, finish, rid, created, after: dict | None = None) -> bytes:
+    """One SSE event of one choice, its fields in vLLM's order (``own`` first, ``after`` last)."""
+    choice = {"index": 0, **own, "logprobs": None, "finish_reason": finish, **(after or {})}
     return ev({"id": rid, "object": obj, "created": created, "model": "m", "choices": [choice]})
 
 
 def comp_chunk(text, finish=None, rid="cmpl-1", created=10):
     return _chunk("text_completion", {"text": text}, finish, rid, created)
+
+
+def ids_chunk(text, ids, finish=None, prompt=None):
+    """A completion chunk as vLLM streams it with ``return_token_ids`` (the prompt's ids on the first one)."""
+    after = {"stop_reason": None, "prompt_token_ids": prompt, "token_ids": ids}
+    return _chunk("text_completion", {"text": text}, finish, "c", 1, after)
 
 
 def chat_chunk(delta, rid="chatcmpl-1", created=10):
@@ -105,25 +112,7 @@ def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
 
 def test_token_ids_count_merged_events_and_make_the_continuation_token_exact() -> None:
     s = StreamState()
-    first = ev(
-        {
-            "id": "c",
-            "object": "text_completion",
-            "created": 1,
-            "model": "m",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "ab",
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "stop_reason": None,
-                    "prompt_token_ids": [5, 6, 7],
-                    "token_ids": [11, 12],
-                }
-            ],
-        }
-    )
+    first = ids_chunk("ab", [11, 12], prompt=[5, 6, 7])
     s.observe_batch(first + comp_chunk("c"))
     assert s.prompt_ids == [5, 6, 7] and s.ids == [11, 12]
     assert s.tokens == 3  # two tokens merged into one event, then one event without ids
@@ -147,25 +136,7 @@ def test_strip_token_ids_restores_vllm_nulls() -> None:
 
 def test_completions_fast_path_scans_ids_without_decoding() -> None:
     def event(i, ids, finish=None, prompt=None):
-        return ev(
-            {
-                "id": "c",
-                "object": "text_completion",
-                "created": 1,
-                "model": "m",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": f'say "token_ids":[9] {i}',
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                        "prompt_token_ids": prompt,
-                        "token_ids": ids,
-                    }
-                ],
-            }
-        )
+        return ids_chunk(f'say "token_ids":[9] {i}', ids, finish, prompt)
 
     s = StreamState(need_text=False)
     s.observe_batch(event(0, [10], prompt=[1, 2]))
