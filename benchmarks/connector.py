@@ -141,12 +141,22 @@ def pair(
     ]
 
 
-def run_pair(servers: list[ManagedServer], measure: Callable[[str, str], dict[str, Any]]) -> dict[str, Any]:
+def run_pair(
+    servers: list[ManagedServer],
+    measure: Callable[[str, str], dict[str, Any]],
+    start_timeout_s: float = 900,
+    one_by_one: bool = False,
+) -> dict[str, Any]:
+    """Start P and D (``servers``), ``measure(p_url, d_url)``, stop both, also on failure. ``one_by_one``: each
+    server is healthy before the next starts (two servers on one GPU: the second sizes its cache after the
+    first took its share). Also used by ``benchmarks.gpu_pd``."""
     try:
         for s in servers:
             s.start()
+            if one_by_one:
+                s.wait_healthy(start_timeout_s)
         for s in servers:
-            s.wait_healthy(900)
+            s.wait_healthy(start_timeout_s)
         return measure(base_url(servers[0]), base_url(servers[1]))
     finally:
         for s in servers:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.connector import run_pair
 from integration_tests.pd_checks import metric
 from pd_disagg import pd_client
 from pd_disagg.servers import ManagedServer, free_port
@@ -81,15 +82,8 @@ def run_path(
         {"kv_connector": "PDConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
          "kv_connector_extra_config": extra},
     )  # fmt: skip
-    servers = [p, d]
-    try:
-        for s in servers:
-            s.start()
-            if len(gpus) == 1:  # one GPU: the second server sizes its cache after the first took its share
-                s.wait_healthy(1800)
-        for s in servers:
-            s.wait_healthy(1800)
-        p_url, d_url = (s.health_url.removesuffix("/health") for s in servers)
+
+    def measure(p_url: str, d_url: str) -> dict[str, Any]:
         gbps, per_request = [], []
         for i, prompt in enumerate(prompts):
             body = {"model": SERVED, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
@@ -121,9 +115,8 @@ def run_path(
             "gb_per_s": round(statistics.median(gbps), 3),
             "bytes_per_request": statistics.median(per_request),
         }
-    finally:
-        for s in servers:
-            s.stop()
+
+    return run_pair([p, d], measure, start_timeout_s=1800, one_by_one=len(gpus) == 1)
 
 
 def main() -> None:
