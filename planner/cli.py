@@ -3,6 +3,7 @@
     pd-plan --isl 6144 --osl 512 --ttft 2 --tpot 0.02 --tpm 5e6 --profile profile.json [--json] [--verify]
     pd-plan kv --model PATH_OR_CONFIG --tokens N [--link 400Gbps]
     pd-plan profile --endpoint URL --isl N --out profile.json
+    pd-plan trace --profile profile.json --ttft 1 --tpot 0.02 --percentile 90 --peak-rate 5000 [--plot day.png]
 
 Exit codes: 0 success, 2 bad input or an infeasible target (the reason is printed; with ``--json`` the last
 stdout line is ``{"error": ...}``), 1 a failure talking to a server.
@@ -22,12 +23,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from planner import kv, model
+from planner import fleet, kv, model, trace
 from planner.profile import Profile, ProfileError, load_profile, save_profile
 from planner.profiler import ProfilerConfig, ProfilerError, measure_profile
 from planner.simulator import SimSummary, Statistic, load_lengths, poisson_requests, simulate_grid
 
-SUBCOMMANDS = ("kv", "profile")
+SUBCOMMANDS = ("kv", "profile", "trace")
 
 
 def _positive_float(text: str) -> float:
@@ -57,7 +58,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pd-plan",
-        description="SLO-aware P/D capacity planner (subcommands: `pd-plan kv ...`, `pd-plan profile ...`).",
+        description="SLO-aware P/D capacity planner (subcommands: `pd-plan kv ...`, `pd-plan profile ...`, "
+        "`pd-plan trace ...`).",
     )
     p.add_argument("--profile", required=True, help="profile JSON (from `pd-plan profile` or by hand)")
     p.add_argument("--isl", type=_positive_float, required=True, help="mean input length (tokens)")
@@ -132,6 +134,49 @@ def _profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-id-high", type=_positive_int, default=defaults.token_id_high, help="... up to")
     p.add_argument("--timeout", type=_positive_float, default=defaults.timeout_s, help="per request (s)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random prompts")
+    return p
+
+
+def _trace_parser() -> argparse.ArgumentParser:
+    defaults = {f.name: f.default for f in msgspec.structs.fields(fleet.FleetConfig)}
+    p = argparse.ArgumentParser(
+        prog="pd-plan trace",
+        description="plan a day of trace-shaped traffic per window and simulate it: mean-only sizing vs ours",
+    )
+    p.add_argument("--profile", required=True, help="profile JSON (from `pd-plan profile` or by hand)")
+    p.add_argument("--ttft", type=_positive_float, required=True, help="TTFT SLO at --percentile (s)")
+    p.add_argument("--tpot", type=_positive_float, required=True, help="TPOT SLO at --percentile (s)")
+    p.add_argument("--percentile", type=_positive_float, default=defaults["percentile"], help="of requests")
+    p.add_argument("--lengths", help='JSON Lines of {"input": N, "output": M}: fit both lognormals to it')
+    p.add_argument("--isl-median", type=_positive_float, default=2048.0, help="input length median (tokens)")
+    p.add_argument("--isl-sigma", type=float, default=0.8, help="input length log-space sigma")
+    p.add_argument("--osl-median", type=_positive_float, default=256.0, help="output length median (tokens)")
+    p.add_argument("--osl-sigma", type=float, default=1.0, help="output length log-space sigma")
+    rate = p.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--peak-rate", type=_positive_float, help="diurnal sinusoid: requests/s at the peak")
+    rate.add_argument("--hourly-rates", help="JSON list of per-hour rates (requests/s) instead")
+    p.add_argument("--peak-to-trough", type=_positive_float, default=3.0, help="diurnal peak/trough ratio")
+    p.add_argument("--peak-hour", type=float, default=14.0, help="diurnal hour of the peak (0-24)")
+    p.add_argument("--hours", type=_positive_float, default=24.0, help="diurnal horizon (hours)")
+    p.add_argument(
+        "--window-s", type=_positive_float, default=defaults["window_s"], help="planning window (s)"
+    )
+    p.add_argument("--tick-s", type=_positive_float, default=defaults["tick_s"], help="controller period (s)")
+    p.add_argument(
+        "--replica-start-s", type=float, default=defaults["replica_start_s"], help="order to ready (s)"
+    )
+    p.add_argument(
+        "--scale-down-hold-s",
+        type=float,
+        default=defaults["scale_down_hold_s"],
+        help="want fewer this long (s)",
+    )
+    p.add_argument("--gpus-per-instance", type=_positive_int, default=defaults["gpus_per_instance"])
+    p.add_argument("--prefill-samples", type=_positive_int, default=defaults["prefill_samples"])
+    p.add_argument("--decode-samples", type=_positive_int, default=defaults["decode_samples"])
+    p.add_argument("--seed", type=int, default=defaults["seed"], help="seed of the simulated traffic")
+    p.add_argument("--plot", type=Path, help="write the attainment/replicas-over-the-day PNG here")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the comparison")
     return p
 
 
@@ -249,6 +294,74 @@ def _simulate(
         console.print(f"plots: {curve} {attainment}")
 
 
+def _trace_config(args: argparse.Namespace) -> fleet.FleetConfig:
+    if args.lengths:
+        inputs, outputs = load_lengths(args.lengths)
+        isl, osl = trace.Lognormal.fit(inputs), trace.Lognormal.fit(outputs)
+    else:
+        isl = trace.Lognormal(args.isl_median, args.isl_sigma)
+        osl = trace.Lognormal(args.osl_median, args.osl_sigma)
+    if args.hourly_rates:
+        rate = trace.load_hourly(args.hourly_rates)
+    else:
+        rate = trace.diurnal(args.peak_rate, args.peak_to_trough, args.peak_hour, args.hours)
+    return fleet.FleetConfig(
+        profile=load_profile(args.profile),
+        isl=isl,
+        osl=osl,
+        rate=rate,
+        ttft_slo_s=args.ttft,
+        tpot_slo_s=args.tpot,
+        percentile=args.percentile,
+        window_s=args.window_s,
+        tick_s=args.tick_s,
+        replica_start_s=args.replica_start_s,
+        scale_down_hold_s=args.scale_down_hold_s,
+        gpus_per_instance=args.gpus_per_instance,
+        prefill_samples=args.prefill_samples,
+        decode_samples=args.decode_samples,
+        seed=args.seed,
+    )
+
+
+def run_trace(args: argparse.Namespace, console: Console) -> int:
+    config = _trace_config(args)
+    result = fleet.plan_and_simulate(config)
+    console.print(
+        f"lengths: ISL lognormal median {config.isl.median:.4g} sigma {config.isl.sigma:.3g} (mean "
+        f"{config.isl.mean:.4g}), OSL median {config.osl.median:.4g} sigma {config.osl.sigma:.3g} (mean "
+        f"{config.osl.mean:.4g}); per instance at p{config.percentile:g}: P {result.prefill_rate_per_instance:.4g} "
+        f"req/s, D {result.decode_rate_per_instance:.4g} req/s"
+    )
+    table = Table(
+        title=f"{len(result.window_start_s)} windows of {config.window_s:g} s, SLOs at p{config.percentile:g}"
+    )
+    for column in ("method", "GPU-hours", "peak GPUs", "windows meeting SLOs", "worst window", "overall"):
+        table.add_column(column)
+    for m in result.methods:
+        table.add_row(
+            m.method,
+            f"{m.gpu_hours:.0f}",
+            str(m.peak_gpus),
+            f"{m.windows_meeting_slo:.0%}",
+            f"{m.worst_window_attainment:.1%}",
+            f"{m.overall_attainment:.1%}",
+        )
+    console.print(table)
+    console.print(
+        f"planned in {result.plan_s:.2f} s, simulated in {result.simulate_s:.2f} s "
+        f"({sum(m.simulated_requests for m in result.methods)} sampled requests)"
+    )
+    if args.plot:
+        from planner import plots  # matplotlib is only imported when plots are asked for
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        console.print(f"plot: {plots.plot_trace(result, config.gpus_per_instance, args.plot)}")
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(result.summary()).decode() + "\n")
+    return 0
+
+
 def run_kv(args: argparse.Namespace, console: Console) -> int:
     link = kv.parse_link(args.link) if args.link else None
     size = kv.kv_size(kv.load_config(args.model), args.tokens, args.dtype, link)
@@ -293,10 +406,12 @@ def run_profile(args: argparse.Namespace, console: Console) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "plan"
-    parser = {"kv": _kv_parser, "profile": _profile_parser}.get(command, _plan_parser)()
+    parser = {"kv": _kv_parser, "profile": _profile_parser, "trace": _trace_parser}.get(
+        command, _plan_parser
+    )()
     args = parser.parse_args(argv[1:] if command != "plan" else argv)
     console = Console(file=sys.stderr if getattr(args, "json", False) else sys.stdout, soft_wrap=True)
-    runner = {"kv": run_kv, "profile": run_profile}.get(command, run_plan)
+    runner = {"kv": run_kv, "profile": run_profile, "trace": run_trace}.get(command, run_plan)
     try:
         return runner(args, console)
     except model.InfeasibleError as exc:

@@ -1,6 +1,7 @@
-"""PNG figures for a plan: the decode curve with the TPOT SLO, and SLO attainment over (P, D) shapes.
+"""PNG figures for a plan: the decode curve with the TPOT SLO, SLO attainment over (P, D) shapes, and a day of
+trace-shaped traffic planned by each method (attainment and replicas over the day).
 
-Called by ``pd-plan --plot-dir`` and the validation benchmark. Uses matplotlib's Agg backend (files only, no
+Called by ``pd-plan --plot-dir``, ``pd-plan trace --plot`` and the validation benchmark. Uses matplotlib's Agg backend (files only, no
 display), and closes every figure it opens.
 """
 
@@ -15,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from planner.fleet import FleetResult
 from planner.profile import Profile
 from planner.simulator import SimSummary
 
@@ -76,6 +78,41 @@ def plot_attainment(results: Sequence[SimSummary], planned: tuple[int, int], pat
         ax.set_ylabel("P instances")
         ax.set_title("Simulated SLO attainment (TTFT and TPOT)")
         fig.colorbar(image, ax=ax, label="% of requests within both SLOs")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def plot_trace(result: FleetResult, gpus_per_instance: int, path: Path) -> Path:
+    """Top: per window, the lower of the shares of requests within the TTFT and the TPOT SLO, each method. Bottom: GPUs ready (P + D), each
+    method, with the mean request rate on a second axis."""
+    hours = np.array(result.window_start_s) / 3600
+    styles = {"mean-only": ("tab:red", "-"), "ours-no-lead": ("tab:orange", ":"), "ours": ("tab:green", "-")}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    try:
+        for m in result.methods:
+            color, line = styles.get(m.method, ("tab:gray", "-"))
+            top.step(hours, np.array(m.slo_attainment) * 100, where="post", color=color, linestyle=line,
+                     label=f"{m.method} ({m.gpu_hours:.0f} GPU-h)")  # fmt: skip
+            gpus = (np.array(m.prefill_ready) + np.array(m.decode_ready)) * gpus_per_instance
+            bottom.step(hours, gpus, where="post", color=color, linestyle=line, label=m.method)
+        top.axhline(result.percentile, color="black", linestyle="--", linewidth=1,
+                    label=f"target p{result.percentile:g}")  # fmt: skip
+        top.set_ylabel("% requests within SLO (lower of TTFT, TPOT)")
+        top.set_ylim(0, 101)
+        top.legend(fontsize=8, loc="lower right")
+        top.set_title(
+            f"SLO attainment per window (TTFT {result.ttft_slo_s:g} s, TPOT {result.tpot_slo_s * 1e3:g} ms "
+            f"at p{result.percentile:g})"
+        )
+        bottom.set_ylabel("GPUs ready (P + D)")
+        bottom.set_xlabel("hour of the day")
+        rate = bottom.twinx()
+        rate.step(hours, result.rate_mean, where="post", color="tab:blue", alpha=0.4, label="request rate")
+        rate.set_ylabel("requests/s (window mean)", color="tab:blue")
+        bottom.legend(fontsize=8, loc="upper left")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
     finally:

@@ -110,3 +110,72 @@ def test_kv_bad_config_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         cli.main(["kv", "--model", str(tmp_path), "--tokens", "1"])
     assert "num_hidden_layers" in capsys.readouterr().err
+
+
+TRACE_ARGS = ["trace", "--ttft", "1", "--tpot", "0.02", "--prefill-samples", "2", "--decode-samples", "1"]
+
+
+def test_trace_json_last_line_and_plot(
+    profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "day.png"
+    args = [*TRACE_ARGS, "--profile", str(profile_path), "--peak-rate", "100", "--hours", "2"]
+    assert cli.main([*args, "--plot", str(plot), "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert list(result["methods"]) == ["mean-only", "ours-no-lead", "ours"]
+    for figures in result["methods"].values():
+        assert 0 <= figures["overall_attainment"] <= 1 and figures["peak_gpus"] >= 2
+    assert "GPU-hours" in captured.err  # the table goes to stderr with --json
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_fits_lengths_and_reads_hourly_rates(
+    profile_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lengths = tmp_path / "lengths.jsonl"
+    lengths.write_text("".join(f'{{"input": {n}, "output": {n // 8}}}\n' for n in (1000, 2000, 4000, 3000)))
+    rates = tmp_path / "rates.json"
+    rates.write_text("[50, 80]")
+    args = [
+        *TRACE_ARGS,
+        "--profile",
+        str(profile_path),
+        "--lengths",
+        str(lengths),
+        "--hourly-rates",
+        str(rates),
+    ]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "ISL lognormal median 2213" in out  # exp(mean(log(1000, 2000, 4000, 3000)))
+    assert "8 windows of 900 s" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--percentile", "100"], "percentile"),
+        (["--replica-start-s", "-5"], "start"),
+        (["--isl-sigma", "-1"], "sigma"),
+    ],
+)
+def test_trace_bad_input_is_a_usage_error(
+    profile_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([*TRACE_ARGS, "--profile", str(profile_path), "--peak-rate", "10", "--hours", "1", *extra])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_infeasible_percentile_slo_exits_2(
+    profile_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*TRACE_ARGS, "--profile", str(profile_path), "--peak-rate", "10", "--hours", "1", "--json"]
+    args[args.index("--ttft") + 1] = "0.2"
+    assert cli.main(args) == 2
+    assert (
+        "p90 TTFT of an idle P instance"
+        in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    )

@@ -102,3 +102,24 @@ def test_bad_lengths_file(tmp_path: Path, text: str, message: str) -> None:
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         simulator.load_lengths(path)
+
+
+def test_single_queue_prefill_equals_the_event_simulation() -> None:
+    rng = np.random.default_rng(8)
+    arrival = np.cumsum(rng.exponential(0.1, 20_000))
+    isl = np.maximum(1, rng.lognormal(np.log(80), 0.8, 20_000)).astype(np.int64)
+    requests = simulator.Requests(arrival, isl, np.ones_like(isl))
+    expected = simulator._prefill(requests, PROFILE, 1, "det", rng)
+    got = simulator.single_queue_prefill(arrival, isl / PROFILE.prefill_max_tokens_per_s)
+    assert got == pytest.approx(expected, abs=1e-9)
+
+
+def test_fluid_decode_agrees_with_the_event_simulation() -> None:
+    rng = np.random.default_rng(9)
+    count = 20_000
+    arrival = np.cumsum(rng.exponential(1 / 4, count))  # ~10 concurrent streams of ~165 steps on average
+    steps = np.maximum(1, rng.lognormal(np.log(100), 1.0, count)).astype(np.int64)
+    exact = (simulator._decode(arrival, steps, PROFILE, 1, None) - arrival) / steps
+    fluid = (simulator.fluid_decode(arrival, steps, PROFILE) - arrival) / steps
+    assert fluid.mean() == pytest.approx(exact.mean(), rel=0.02)
+    assert np.percentile(fluid, [50, 90, 99]) == pytest.approx(np.percentile(exact, [50, 90, 99]), rel=0.03)
