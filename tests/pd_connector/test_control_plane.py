@@ -46,6 +46,7 @@ from tests.pd_connector.engines import (
     wait_results,
 )
 from tests.pd_connector.raw_peer import RawPeer, hello
+from tests.polling import wait_until
 
 FAST = {
     "heartbeat_interval_s": 0.1,
@@ -277,10 +278,7 @@ def test_prefill_process_killed_mid_transfer_fails_decode() -> None:
             port = _read_until(proc, "listening").split()[1]
             d.expect("k", f"127.0.0.1:{port}", [1, 2], 8, timeout_s=30)
             _read_until(proc, "Destinations")
-            deadline = time.monotonic() + 5
-            while d.state("k") is not TransferState.TRANSFERRING and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert d.state("k") is TransferState.TRANSFERRING
+            wait_until(lambda: d.state("k") is TransferState.TRANSFERRING, 5, "D receiving")
             os.killpg(proc.pid, signal.SIGKILL)
             t0 = time.monotonic()
             r = wait_results(d, {"k"}, timeout_s=5)["k"]

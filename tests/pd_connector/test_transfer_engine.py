@@ -22,6 +22,7 @@ from tests.pd_connector.engines import (
     assert_no_state,
     wait_results,
 )
+from tests.polling import wait_until
 
 
 def test_push_flow_copies_bytes_and_reports_once(pair: Pair) -> None:
@@ -44,8 +45,7 @@ def test_push_flow_copies_bytes_and_reports_once(pair: Pair) -> None:
 def test_prefill_first_then_decode_standard_flow(pair: Pair) -> None:
     """vLLM's standard flow: P computes and finishes before D exists; the intents wait for D."""
     pair.push_all("t2", [1, 2], first_token=7)
-    time.sleep(0.05)
-    assert pair.p.state("t2") is TransferState.WAITING
+    wait_until(lambda: pair.p.state("t2") is TransferState.WAITING, 5, "P's intent waiting for D")
     pair.d.expect("t2", addr(pair.p), [30, 31], 8)
     assert wait_results(pair.d, {"t2"})["t2"].first_token == 7
     assert wait_results(pair.p, {"t2"})["t2"].state is TransferState.DONE
@@ -55,8 +55,8 @@ def test_prefill_first_then_decode_standard_flow(pair: Pair) -> None:
 
 def test_destinations_before_offer_are_kept_until_offer(pair: Pair) -> None:
     pair.d.expect("t3", addr(pair.p), [9], 4)
-    time.sleep(0.1)  # Destinations reached P before its scheduler saw the request
-    assert pair.p.table_sizes()["orphan_destinations"] == 1
+    # Destinations reach P before its scheduler saw the request: P keeps them.
+    wait_until(lambda: pair.p.table_sizes()["orphan_destinations"] == 1, 5, "D's destinations kept at P")
     pair.push_all("t3", [0])
     assert wait_results(pair.d, {"t3"})["t3"].state is TransferState.DONE
     wait_results(pair.p, {"t3"})
