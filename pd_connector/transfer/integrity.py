@@ -5,10 +5,12 @@ misses) would otherwise become an answer with plausible but wrong tokens. With t
 ``Done`` an xxh3-64 digest (``xxhash``: fast, non-cryptographic, made for this) of every KV buffer of every
 layer it wrote, and D reports the load DONE only when its own memory hashes the same.
 
-When and where: P hashes once every write of a transfer to one D rank has landed (``Sender._maybe_done``, on
-the transfer engine's I/O thread, right before ``Done``), reading its own source blocks in host memory: the KV
-cache itself, or the staging mirrors of a device cache (``pd_connector.staging``) — never a device pointer; the
-engine refuses the mode for memory registered as device memory. D hashes the same granules of its memory when
+When and where: P hashes its source for each D rank once the source is final, at ``finish`` (every layer of
+the prompt computed; the last writes are still in flight, so the hash overlaps them), or, for a D rank whose
+destinations come later, right before its ``Done`` (``Sender._maybe_done``); on the transfer engine's I/O
+thread, reading its own source blocks in host memory: the KV cache itself, or the staging mirrors of a device
+cache (``pd_connector.staging``) — never a device pointer; the engine refuses the mode for memory registered
+as device memory. D hashes the same granules of its memory when
 that ``Done`` arrives (``Receiver._on_end``). Hashing at the end and not per write because a block can be
 written twice (heads-major layouts move whole blocks, so a partial last block is pushed again by the next
 chunk): only the final bytes have one well-defined checksum, and both sides' copies of them are quiet then.

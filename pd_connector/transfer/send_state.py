@@ -11,7 +11,7 @@ import dataclasses
 
 from pd_connector import control
 from pd_connector.layout import BlockMapping, KVLayout
-from pd_connector.protocol import Abort, Destinations
+from pd_connector.protocol import Abort, Checksums, Destinations
 from pd_connector.timeline import Timeline
 from pd_connector.transfer.types import TransferState
 
@@ -41,6 +41,9 @@ class Binding:
     # Copy runs per (first token, last token, layer or -1 when D's table is shared): every layer of a
     # push reuses them. The offered prefix never changes, so entries stay valid as the table grows.
     runs: dict[tuple[int, int, int], list[tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
+    #: Integrity mode: this D rank's checksums, hashed at ``finish`` while the last writes are still in flight
+    #: (P's source is final then); None until then, or when the destinations came after ``finish``.
+    checksums: Checksums | None = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -213,6 +213,13 @@ class Sender:
             return
         st.finished_at, st.first_token = at, first_token
         st.timeline.mark("prompt_done", at)
+        # P's source is final now: hash it while the last writes are in flight rather than after they landed.
+        for binding in st.bindings:
+            try:
+                binding.checksums = self._checksums(st, binding)
+            except ValueError as e:
+                self._end(st, TransferState.FAILED, f"integrity checksums: {e}")
+                return
         self._maybe_done(st)
 
     def abort(self, tid: str, reason: str) -> None:
@@ -299,8 +306,8 @@ class Sender:
     def _checksums(self, st: Send, binding: Binding) -> Checksums | None:
         """Integrity mode: the checksums of everything written to this D rank (None when the mode is off).
 
-        Over the whole span D asked for, after every write landed: what D holds now is what the last write
-        of each granule carried, and P's source blocks have not changed since (``integrity`` explains why
+        Over the whole span D asked for, from P's source once it is final (at ``finish``: every layer of the
+        prompt is computed, so the last write of each granule carries these bytes; ``integrity`` explains why
         not per write). ``ValueError`` when the run tables would not fit in a control frame.
         """
         kv_bytes = self.ctx.kv_bytes
@@ -363,7 +370,7 @@ class Sender:
                 self._end(st, TransferState.FAILED, hole)
                 return
             try:
-                sums = self._checksums(st, binding)
+                sums = binding.checksums or self._checksums(st, binding)
             except ValueError as e:
                 self._end(st, TransferState.FAILED, f"integrity checksums: {e}")
                 return
