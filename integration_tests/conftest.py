@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from integration_tests.starter import server_starter
 from pd_disagg import smollm2
-from pd_disagg.servers import ManagedServer, ServerStartError
+from pd_disagg.servers import ManagedServer
 from pd_disagg.tiny_model import PRESETS, build
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / "logs" / "integration"
-SERVER_START_TIMEOUT_S = float(os.environ.get("PD_TEST_SERVER_TIMEOUT_S", "420"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -54,35 +54,13 @@ def log_dir() -> Path:
 ServerFactory = Callable[[ManagedServer], ManagedServer]
 
 
-def _start_all(servers: list[ManagedServer]) -> None:
-    """Start all, then wait for each: engines load in parallel, which halves start-up on two cores."""
-    for server in servers:
-        server.start()
-    for server in servers:
-        try:
-            server.wait_healthy(SERVER_START_TIMEOUT_S)
-        except ServerStartError:
-            for other in servers:
-                other.stop()
-            raise
-
-
 @pytest.fixture(scope="module")
 def start_servers() -> Iterator[Callable[..., list[ManagedServer]]]:
     """Module-scoped: ``start_servers(a, b, ...)`` starts and health-checks servers, stops them at module end.
 
     Module scope lets the tests of one file share servers (each start costs 30-60 s of CPU); every server is
-    stopped by PID/process group when the module finishes, also when a test failed.
+    stopped by PID/process group when the module finishes, also when a test failed. (A package of test files
+    sharing servers uses ``starter.server_starter`` at package scope, as integration_tests/pd_connector/ does.)
     """
-    started: list[ManagedServer] = []
-
-    def start(*servers: ManagedServer) -> list[ManagedServer]:
-        started.extend(servers)
-        _start_all(list(servers))
-        return list(servers)
-
-    try:
+    with server_starter() as start:
         yield start
-    finally:
-        for server in reversed(started):
-            server.stop()

@@ -3,7 +3,7 @@
 The fake engines speak the protocol (``test_support.fake_vllm``): P answers its one token, and a D asked with
 ``pd_seed_first_token`` whose P took the leg streams the tokens after P's, as a seeded PDConnector D does.
 The real engines' side (D continuing from P's token, sampled requests) is proven in
-integration_tests/test_pd_connector.py.
+integration_tests/pd_connector/test_through_router.py.
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""pd-router in front of PDConnector (a real router process, our push flow): which path a request takes,
+streamed completions and chat, and first-token seeding of D with the token P sampled.
+
+Every P/D request's transfer is checked (``pd_checks.Transfers``). Runs on the package's cluster and router
+(conftest.py) in the default configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from integration_tests.pd_checks import blocks_to_load, metric
+from integration_tests.pd_connector.cluster import (
+    CHUNK,
+    MAX_TOKENS,
+    ROUTER_THRESHOLD,
+    Cluster,
+    body,
+    stream_through_router,
+    through_router,
+    token_ids,
+    tokens,
+)
+from pd_disagg import pd_client
+
+
+def test_router_sends_long_prompts_p_to_d_and_short_ones_to_d(pd: Cluster, router: str) -> None:
+    """Through pd-router: a long prompt is disaggregated (its KV pushed by P), a short one prefills on D
+    (nothing moves); both give the colocated greedy tokens."""
+    long_prompt, short_prompt = tokens(ROUTER_THRESHOLD + 150, seed=5150), tokens(ROUTER_THRESHOLD // 2, 5032)
+    transfers = pd.transfers()
+    route, answer = through_router(router, body(long_prompt))
+    assert (route, token_ids(answer)) == ("disagg", pd.reference(long_prompt))
+    transfers.check(1, blocks=blocks_to_load(len(long_prompt)))
+    sent = metric(pd.p_url, "vllm:pd_connector_bytes_sent_total")
+    route, answer = through_router(router, body(short_prompt))
+    assert (route, token_ids(answer)) == ("local", pd.reference(short_prompt))
+    assert metric(pd.p_url, "vllm:pd_connector_bytes_sent_total") == sent, "the local path moves no KV"
+
+
+@pytest.mark.parametrize("n", [ROUTER_THRESHOLD + 326, ROUTER_THRESHOLD + 7])
+def test_router_streams_disaggregated_completions(pd: Cluster, router: str, n: int) -> None:
+    """A streamed long prompt through pd-router: P->D, the colocated tokens, a final chunk and [DONE].
+
+    (A 390-token prompt once got no [DONE] here.) Tokens are not required to arrive one per event: vLLM's
+    front end merges the deltas it has not sent yet, which happens on this two-core machine because vLLM's
+    CPU workers spin-wait for about a second after each step and starve the front-end processes.
+    """
+    prompt = tokens(n, seed=6000 + n)
+    reference = pd.reference(prompt)
+    transfers = pd.transfers()
+    route, chunks = stream_through_router(router, "/v1/completions", body(prompt, stream=True))
+    assert route == "disagg"
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+    assert streamed == reference
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    transfers.check(1, blocks=blocks_to_load(n))
+
+
+def _disaggregated_stream_with_usage(router: str, path: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """``payload`` streamed through pd-router with a usage chunk at the end; it went P->D; its chunks."""
+    route, chunks = stream_through_router(
+        router, path, {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert route == "disagg"
+    return chunks
+
+
+def test_router_streams_disaggregated_chat(pd: Cluster, router: str) -> None:
+    """A streamed chat request long enough for P->D: the streamed deltas add up to the colocated (plain,
+    unstreamed request to P) greedy text, and the stream ends with usage and [DONE], as vLLM's own does.
+
+    How many events the text arrives in is vLLM's business, not the router's: its front end merges deltas it
+    has not sent yet, which on this two-core machine happens whenever the CPU workers starve it (a CI run
+    once got 12 tokens in 2 events). That the router relays each upstream event as it comes is tested
+    against a paced upstream in tests/router/test_relay.py.
+    """
+    payload = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    colocated = pd_client.post_json(pd.p_url + "/v1/chat/completions", payload)
+    transfers = pd.transfers()
+    chunks = _disaggregated_stream_with_usage(router, "/v1/chat/completions", payload)
+    assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    prompt_tokens = colocated["usage"]["prompt_tokens"]
+    assert chunks[-1]["usage"]["prompt_tokens"] == prompt_tokens >= ROUTER_THRESHOLD
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0].get("role") == "assistant"
+    assert "".join(d.get("content") or "" for d in deltas) == colocated["choices"][0]["message"]["content"]
+    assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+    transfers.check(1, blocks=blocks_to_load(prompt_tokens))
+
+
+def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, router: str) -> None:
+    """A sampled streamed request (temperature 0.8, fixed seed, logprobs) through pd-router, P->D.
+
+    The client's first token is P's: P alone, asked the same request for one token, samples the same one
+    (vLLM seeds a fresh generator per request, so the same prompt and seed give the same first draw). D then
+    continues from that token instead of sampling a first token of its own: its tokens equal those of a
+    colocated request whose prompt is the prompt plus P's token, with the same seed. That is what vLLM's
+    per-request generator makes comparable: D's generator is fresh when it samples the second token, as the
+    colocated one is when it samples the first token after prompt + P's token (the CPU sampler draws one seed
+    per sampling step from it), so both use the generator's first draw. (It is not the colocated stream of
+    the prompt alone, whose second token comes from the generator's second draw.) The first token keeps its
+    logprobs (from P's answer), the usage counts every token, and the transfer happened (exact bytes, one
+    load, nothing failed or recomputed: an unseeded or recomputing D would sample its own first token).
+
+    The prompt fits in one of P's prefill steps (``CHUNK`` tokens), and the colocated reference (one token
+    longer) hits P's prefix cache for all but its last token: vLLM 0.32's CPU model runner kills the engine
+    on a seeded request whose prefill is chunked ("RuntimeError: CPU Generator does not use offset", when it
+    rewinds the generator after discarding a partial chunk's sample).
+    """
+    prompt = tokens(CHUNK, seed=7100)
+    assert len(prompt) >= ROUTER_THRESHOLD  # P->D through the router
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "logprobs": 2}
+    request = body(prompt, **sampling)
+    first = pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1})
+    p_token = token_ids(first)[0]
+    transfers = pd.transfers()
+    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    choices = [choice for c in chunks for choice in c["choices"]]
+    streamed = [t for choice in choices for t in choice.get("token_ids") or []]
+    assert streamed[0] == p_token, "the client's first token is the one P sampled"
+    assert choices[0]["token_ids"] == [p_token]
+    lp = choices[0]["logprobs"]
+    assert lp["tokens"] and isinstance(lp["token_logprobs"][0], float) and len(lp["top_logprobs"][0]) >= 2
+    assert all(choice["logprobs"] is not None for choice in choices if choice.get("token_ids"))
+    continued = pd_client.post_json(
+        pd.p_url + "/v1/completions", body([*prompt, p_token], MAX_TOKENS - 1, **sampling)
+    )
+    assert streamed[1:] == token_ids(continued), "D continued from P's token, as prompt + token would"
+    assert len(streamed) == MAX_TOKENS and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
+    assert len({c["id"] for c in chunks}) == 1, "one stream: P's id on D's events too"
