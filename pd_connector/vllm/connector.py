@@ -22,6 +22,7 @@ from pd_connector.vllm.compat import (
     CONNECTOR_SYMBOLS,
     check_kv_cache,
     check_version,
+    fail_loads_on_request,
     limit_busy_poll,
     require,
     tp_rank,
@@ -72,6 +73,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
+            fail_loads_on_request()  # a seeded load that failed without P's token: see loads_to_fail
             self._scheduler = SchedulerSide(
                 block_size,
                 self._config.side_channel_addr,
@@ -193,9 +195,16 @@ class PDConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        meta = connector_output.kv_connector_worker_meta
-        tokens = meta.tokens if isinstance(meta, FirstTokens) else {}
-        self._sched.update_connector_output(set(connector_output.finished_recving or ()), tokens)
+        self._sched.update_connector_output(
+            set(connector_output.finished_recving or ()), _first_tokens(connector_output)
+        )
+
+    def loads_to_fail(self, connector_output: KVConnectorOutput) -> set[str]:
+        """Asked by ``compat.fail_loads_on_request``'s hook (EngineCore), each step before vLLM handles the
+        step's output: the requests to end with an error rather than recompute (``SchedulerSide.loads_to_fail``)."""
+        return self._sched.loads_to_fail(
+            set(connector_output.failed_recving or ()), _first_tokens(connector_output)
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)
@@ -218,3 +227,9 @@ class PDConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         return PDPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _first_tokens(connector_output: KVConnectorOutput) -> dict[str, int]:
+    """P's first tokens of the loads the workers reported finished in this output (``FirstTokens``)."""
+    meta = connector_output.kv_connector_worker_meta
+    return meta.tokens if isinstance(meta, FirstTokens) else {}

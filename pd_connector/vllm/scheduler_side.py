@@ -23,9 +23,9 @@ pd-router only) continues from that token when its load finished (``compat.seed_
 the position after the prompt and samples the second token, instead of recomputing the last prompt position
 and sampling a first token of its own. A load that failed is still seeded when the token is known (from
 ``Done``, or, in vLLM's standard flow, from P's answer, ``pd_first_token``): D recomputes the prompt and
-the token. Only a failed pd-push load whose ``Done`` never came stays unseeded (D recomputes and samples
-its own first token; the stream then repeats one token): vLLM gives a connector no way to fail one request
-while the engine's ``kv_load_failure_policy`` is ``recompute``.
+the token. A failed pd-push load whose ``Done`` never came has no token: its request ends with an error
+(``loads_to_fail``), whatever the engine's ``kv_load_failure_policy``, since recomputing would repeat the
+token the client already has.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
 table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
@@ -266,26 +266,46 @@ class SchedulerSide:
         """Loads that ended this step (``first_tokens``: P's first token of those whose ``Done`` carried one).
 
         Called by vLLM before it promotes the finished loads, so a seeded request is promoted with P's token
-        as its first output. A failed load is seeded too when the token is known (from ``Done``, or from
-        P's answer in vLLM's standard flow): vLLM then recomputes the prompt and the token, and D still
-        continues from the token the client was streamed. A token outside the vocabulary (a faulty or
-        hostile peer or caller) is never used: it would crash the model's embedding lookup.
+        as its first output. A failed load is seeded too when the token is known (``seed_token``): vLLM then
+        recomputes the prompt and the token, and D still continues from the token the client was streamed.
         """
         self._loading.difference_update(finished_recving)
         for req_id in finished_recving:
             request = self._seeding.pop(req_id, None)
             if request is None:
                 continue
-            role = self._roles.get(req_id)
-            token = first_tokens.get(req_id)
-            if token is None and isinstance(role, DecodeRole):
-                token = role.first_token
-            if token is not None and not 0 <= token < self._vocab_size:
-                logger.warning("PDConnector: seeded request %s got a token outside the vocabulary", req_id)
-                token = None
+            token = self.seed_token(req_id, first_tokens)
             if token is None or not seed_first_token(request, token):
-                # The router may already have streamed P's token: this stream then has one token too many.
                 logger.warning("PDConnector: seeded request %s loaded without P's first token", req_id)
+
+    def seed_token(self, req_id: str, first_tokens: dict[str, int]) -> int | None:
+        """The token a seeded request continues from: P's ``Done``'s, else the copy in P's answer (vLLM's
+        standard flow); None when neither came, or the token is outside the vocabulary (a faulty or hostile
+        peer or caller: it would crash the model's embedding lookup)."""
+        role = self._roles.get(req_id)
+        token = first_tokens.get(req_id)
+        if token is None and isinstance(role, DecodeRole):
+            token = role.first_token
+        if token is not None and not 0 <= token < self._vocab_size:
+            logger.warning("PDConnector: seeded request %s got a token outside the vocabulary", req_id)
+            return None
+        return token
+
+    def loads_to_fail(self, failed: set[str], first_tokens: dict[str, int]) -> set[str]:
+        """D (EngineCore, each step before vLLM applies its failure policy to the step's failed loads): the
+        seeded requests among ``failed`` that no token can seed. The client already has P's token, so
+        recomputing would make D sample a first token of its own and the stream would repeat it; they end
+        with an error instead (``compat.fail_loads_on_request``), under any ``kv_load_failure_policy``."""
+        doomed = {r for r in failed if r in self._seeding and self.seed_token(r, first_tokens) is None}
+        for req_id in doomed:
+            del self._seeding[req_id]
+            self._loading.discard(req_id)  # reported finished: ending the request aborts no load
+            logger.warning(
+                "PDConnector: seeded request %s ends with an error: its load failed before P's first token "
+                "came (recomputing would repeat the token the client has)",
+                req_id,
+            )
+        return doomed
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -14,7 +14,9 @@ Who calls what:
   after vLLM's ``Scheduler.__init__``, then the accessors of ``scheduler`` (its private queues, token budget
   and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
 - ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
-  carries) and ``seed_first_token`` (D, when a seeded load finished).
+  carries) and ``seed_first_token`` (D, when a seeded load finished); ``PDConnector.__init__`` in
+  EngineCore: ``fail_loads_on_request`` (a seeded load that failed without P's token ends its request with
+  an error under any ``kv_load_failure_policy``, through the scheduler's per-step error set).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
@@ -27,7 +29,7 @@ vLLM); each function imports what it reads.
 
 Modules, by job: ``versions`` (release lines, symbol lists, ``require``, the launcher's version shim),
 ``kv_cache`` (which caches can move, TP rank, layout), ``engine`` (factory registration, busy poll, first-token
-seeding), ``scheduler`` (the scheduler plugin's accessors). Callers import the names from this package.
+seeding, failing one request's load), ``scheduler`` (the scheduler plugin's accessors). Callers import the names from this package.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 from pd_connector.engine_symbols import missing
 from pd_connector.vllm.compat.engine import (
     BusyPoll,
+    fail_loads_on_request,
     first_output_token,
     limit_busy_poll,
     register_connector,
@@ -65,6 +68,7 @@ from pd_connector.vllm.compat.scheduler import (
 from pd_connector.vllm.compat.versions import (
     BUSY_POLL_SYMBOLS,
     CONNECTOR_SYMBOLS,
+    FAIL_LOAD_SYMBOLS,
     LAUNCHER_SYMBOLS,
     PLUGIN_SYMBOLS,
     PROVEN_ON,
@@ -81,6 +85,7 @@ from pd_connector.vllm.compat.versions import (
 __all__ = [
     "BUSY_POLL_SYMBOLS",
     "CONNECTOR_SYMBOLS",
+    "FAIL_LOAD_SYMBOLS",
     "LAUNCHER_SYMBOLS",
     "PLUGIN_SYMBOLS",
     "PROVEN_ON",
@@ -96,6 +101,7 @@ __all__ = [
     "chunked_prefill_enabled",
     "computed_tokens",
     "extra_args",
+    "fail_loads_on_request",
     "first_output_token",
     "install_version_shim",
     "is_decode",

@@ -1,21 +1,25 @@
 """Where PDConnector hooks into vLLM's engine beyond the connector API: factory registration, the
-shared-memory queues' busy poll, first-token seeding.
+shared-memory queues' busy poll, first-token seeding, failing one request's load.
 
 Part of ``pd_connector.vllm.compat``. ``plugin.register`` (every vLLM process) calls ``register_connector``;
-``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``; ``SchedulerSide`` (EngineCore)
-calls ``first_output_token`` on P and ``seed_first_token`` on D. Each writes or reads vLLM state that vLLM
-does not promise to keep (a private registry, a queue's wait loop, a request's token lists).
+``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``, and in EngineCore
+``fail_loads_on_request``; ``SchedulerSide`` (EngineCore) calls ``first_output_token`` on P and
+``seed_first_token`` on D. Each writes or reads vLLM state that vLLM does not promise to keep (a private
+registry, a queue's wait loop, a request's token lists, the scheduler's per-step error set).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
-from pd_connector.vllm.compat.versions import BUSY_POLL_SYMBOLS, PLUGIN_SYMBOLS, require
+from pd_connector.vllm.compat.versions import BUSY_POLL_SYMBOLS, FAIL_LOAD_SYMBOLS, PLUGIN_SYMBOLS, require
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def register_connector(name: str, module_path: str, class_name: str) -> None:
@@ -103,3 +107,43 @@ def seed_first_token(request: Request, token: int) -> bool:
     request.prompt_token_ids = [*prompt, token]
     request.append_output_token_ids(token)
     return True
+
+
+def fail_loads_on_request() -> None:
+    """Let a connector end single requests whose load failed with an error, whatever the engine's
+    ``kv_load_failure_policy`` (EngineCore; idempotent).
+
+    vLLM 0.32 applies its failure policy to every failed load of an engine alike: ``recompute`` prefills the
+    prompt locally, ``fail`` ends the request with an error. A seeded request (first-token seeding) whose load
+    failed before P's token arrived can do neither right under ``recompute``: the client already has P's
+    token, and D would sample a first token of its own after the prompt, repeating it. So each step, before
+    vLLM handles its output, the scheduler's connector is asked for ``loads_to_fail(kv_connector_output)``;
+    the requests it names join the scheduler's per-step error set (the one grammar-compile failures use), and
+    vLLM ends them in that same step with its generation error (the client gets an error, D frees the blocks
+    once the failed load is reported, as for ``fail``). Patched on the class because the scheduler exists
+    before the connector; a connector without the method changes nothing.
+    """
+    require("PDConnector", FAIL_LOAD_SYMBOLS)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.update_from_output, "__pd_fail_loads__", False):
+        return
+    original = Scheduler.update_from_output
+
+    @functools.wraps(original)
+    def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any) -> Any:
+        ask = getattr(self.connector, "loads_to_fail", None)
+        kv_output = getattr(model_runner_output, "kv_connector_output", None)
+        if ask is not None and kv_output is not None:
+            doomed = ask(kv_output)
+            errors = getattr(self, "grammar_compile_error_reqs", None)
+            if doomed and isinstance(errors, set):
+                errors.update(doomed)
+            elif doomed:
+                logger.warning(
+                    "PDConnector: this vLLM has no per-step error set; %s recompute", sorted(doomed)
+                )
+        return original(self, scheduler_output, model_runner_output)
+
+    update_from_output.__pd_fail_loads__ = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]

@@ -81,6 +81,9 @@ SCHEDULER_FIELDS = (
 )
 #: What ``limit_busy_poll`` patches: the reader's wait of the shared-memory queues between EngineCore and workers.
 BUSY_POLL_SYMBOLS = ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait",)
+#: What ``fail_loads_on_request`` wraps (the scheduler's per-step error set is an instance attribute: checked
+#: on each use).
+FAIL_LOAD_SYMBOLS = ("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",)
 #: What ``pd-vllm`` hands over to once the version shim is in place.
 LAUNCHER_SYMBOLS = ("vllm.entrypoints.cli.main:main",)
 

@@ -47,6 +47,7 @@ ALL_SYMBOLS = (
     + compat.SCHEDULER_SYMBOLS
     + compat.LAUNCHER_SYMBOLS
     + compat.BUSY_POLL_SYMBOLS
+    + compat.FAIL_LOAD_SYMBOLS
 )
 
 
@@ -213,3 +214,39 @@ def test_limit_busy_poll_lets_a_reader_sleep_on_idle_steps_only_and_still_wakes_
     start = time.monotonic()
     reader.wait(timeout_ms=5000)
     assert time.monotonic() - start < 1.0
+
+
+def test_a_connector_ends_the_loads_it_names_through_the_schedulers_error_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before vLLM's ``update_from_output`` runs, the connector's ``loads_to_fail`` is asked about the step's
+    transfer output; what it names joins the per-step error set vLLM ends with its generation error in that
+    same call. A connector without the method, or a step without transfer output, changes nothing."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    seen: list[set[str]] = []
+
+    def original(self: Any, scheduler_output: Any, model_runner_output: Any) -> str:
+        seen.append(set(self.grammar_compile_error_reqs))  # what vLLM's own code finds
+        return "outputs"
+
+    monkeypatch.setattr(Scheduler, "update_from_output", original)
+    compat.fail_loads_on_request()
+    compat.fail_loads_on_request()  # EngineCore builds the connector once per engine: idempotent
+    wrapped = Scheduler.update_from_output
+    kv_output = SimpleNamespace(failed_recving={"r1", "r2"})
+    asked: list[Any] = []
+
+    def loads_to_fail(output: Any) -> set[str]:
+        asked.append(output)
+        return {"r2"}
+
+    ours = SimpleNamespace(
+        connector=SimpleNamespace(loads_to_fail=loads_to_fail), grammar_compile_error_reqs=set()
+    )
+    assert wrapped(ours, None, SimpleNamespace(kv_connector_output=kv_output)) == "outputs"
+    assert asked == [kv_output] and seen == [{"r2"}]
+    other = SimpleNamespace(connector=SimpleNamespace(), grammar_compile_error_reqs=set())
+    wrapped(other, None, SimpleNamespace(kv_connector_output=kv_output))
+    wrapped(ours, None, SimpleNamespace(kv_connector_output=None))
+    assert seen[1:] == [set(), {"r2"}] and len(asked) == 1

@@ -276,6 +276,33 @@ def test_failed_load_is_seeded_with_the_token_p_answered() -> None:
     assert list(req.output_token_ids) == [17]
 
 
+def test_a_seeded_load_that_failed_without_a_token_ends_with_an_error() -> None:
+    """pd-push: the load failed before P's ``Done`` came (P died after answering, the link broke), so no token
+    can seed the request; recomputing would make D sample a first token of its own after the one the client
+    has. It is named to fail instead, and is then neither seeded nor aborted as a load in flight. A seeded load
+    with a token to continue from, and an unseeded one, recompute as vLLM's policy says."""
+    side, _ = make_side()
+    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
+    assert side.loads_to_fail({"d1"}, {}) == {"d1"}
+    side.update_connector_output({"d1"}, {})
+    assert req.num_output_tokens == 0
+    req.status = RequestStatus.FINISHED_ERROR
+    assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
+    assert side.build_connector_meta(FakeOutput({})).aborted_recvs == []  # type: ignore[arg-type]
+    for params, tokens in (
+        ({**decode_params(), "pd_seed_first_token": True}, {"d1": 7}),  # Done came before the failure
+        (_returned(7), {}),  # vLLM's standard flow: P's answer has it
+        (decode_params(), {}),  # not seeded: D samples its own first token anyway
+    ):
+        side, _ = make_side()
+        _loaded(side, params)
+        assert side.loads_to_fail({"d1"}, tokens) == set()
+    side, _ = make_side()
+    _loaded(side, {**decode_params(), "pd_seed_first_token": True})
+    assert side.loads_to_fail(set(), {}) == set(), "a load that did not fail"
+    assert side.loads_to_fail({"d1"}, {"d1": VOCAB}) == {"d1"}, "a token outside the vocabulary seeds nothing"
+
+
 @pytest.mark.parametrize("token", [VOCAB, VOCAB + 5, 2**31 - 1])
 def test_a_token_outside_the_vocabulary_is_never_used(token: int) -> None:
     """From a faulty or hostile P (``Done``) or caller (the body): the model's embedding lookup would crash
