@@ -64,7 +64,8 @@ console = Console(stderr=True)
 
 
 def log(msg: str) -> None:
-    console.log(f"[goodput] {msg}")
+    """A progress line on stderr (shown above the progress bar on a terminal, plain lines in a log file)."""
+    print(f"[goodput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def bench(
@@ -287,7 +288,8 @@ def main() -> None:
     idle: dict[str, Any] = {}
     runs: dict[str, dict[str, list[tuple[float, dict[str, Any]]]]] = {}
     columns = (*Progress.get_default_columns(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    # A progress bar on a terminal only: rich holds a live display's output back when stderr is a file.
+    with Progress(*columns, console=console, disable=not console.is_terminal) as progress:
         for name in args.workloads:
             slo_by_workload[name], idle[name], runs[name] = run_workload(WORKLOADS[name], args, progress)
     out = summarize(runs, slo_by_workload, args.slo_scales, HEADLINE_SCALE)
