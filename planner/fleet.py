@@ -5,6 +5,8 @@ Called by ``pd-plan trace`` (``planner.cli``) and ``benchmarks.planner_trace``. 
 1. Needs per window (``window_s``): for each method, the P and D instances each window needs.
    - ``mean-only`` (Dynamo's way: counts from mean ISL/OSL): ``model.plan`` on the window's mean rate with the
      mean lengths, the percentile SLOs read as SLOs on the mean; it orders at the window's start (lead 0).
+     ``mean-only-same-gpus`` scales its counts by one factor so that they add up to ours over the day: the same
+     GPUs spent the mean-only way, to tell distribution-aware sizing from simply buying more.
    - ``ours``: ``planner.tails`` per-instance capacity against the percentile SLOs with the lognormal lengths
      (M/G/1 for P, the Poisson batch quantile for D), on the window's PEAK rate, ordered ``replica_start_s``
      ahead; ``ours-no-lead`` is the same sizing ordered at the window's start, to show what the lead buys.
@@ -35,7 +37,7 @@ from planner.profile import Profile
 from planner.simulator import fluid_decode, single_queue_prefill
 from planner.trace import Lognormal, RateCurve, arrivals
 
-METHODS = ("mean-only", "ours-no-lead", "ours")
+METHODS = ("mean-only", "mean-only-same-gpus", "ours-no-lead", "ours")
 # Arrival intensity per sampled instance is piecewise constant on this grid (s).
 _GRID_S = 10.0
 # Fluid decode's time step on a day-long run (s): TPOT percentiles within 0.5% of a 0.1 s step.
@@ -225,8 +227,15 @@ def plan_and_simulate(config: FleetConfig) -> FleetResult:
     prefill_rate = tails.prefill_rate(config.profile, config.isl, config.ttft_slo_s, q)
     decode_rate = tails.decode_rate(config.profile, config.osl, config.tpot_slo_s, q)
     ours = ours_needs(config, starts, prefill_rate, decode_rate)
+    mean_only = mean_only_needs(config, starts)
+    factor = (sum(ours[0]) + sum(ours[1])) / (sum(mean_only[0]) + sum(mean_only[1]))
+    same_gpus = (
+        [model.whole(n * factor) for n in mean_only[0]],
+        [model.whole(n * factor) for n in mean_only[1]],
+    )
     plans = {
-        "mean-only": (mean_only_needs(config, starts), 0.0),
+        "mean-only": (mean_only, 0.0),
+        "mean-only-same-gpus": (same_gpus, 0.0),
         "ours-no-lead": (ours, 0.0),
         "ours": (ours, config.replica_start_s),
     }

@@ -89,7 +89,12 @@ def plot_trace(result: FleetResult, gpus_per_instance: int, path: Path) -> Path:
     """Top: per window, the lower of the shares of requests within the TTFT and the TPOT SLO, each method. Bottom: GPUs ready (P + D), each
     method, with the mean request rate on a second axis."""
     hours = np.array(result.window_start_s) / 3600
-    styles = {"mean-only": ("tab:red", "-"), "ours-no-lead": ("tab:orange", ":"), "ours": ("tab:green", "-")}
+    styles = {
+        "mean-only": ("tab:red", "-"),
+        "mean-only-same-gpus": ("tab:purple", "--"),
+        "ours-no-lead": ("tab:orange", ":"),
+        "ours": ("tab:green", "-"),
+    }
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     try:
         for m in result.methods:

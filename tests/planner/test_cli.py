@@ -123,7 +123,7 @@ def test_trace_json_last_line_and_plot(
     assert cli.main([*args, "--plot", str(plot), "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])
-    assert list(result["methods"]) == ["mean-only", "ours-no-lead", "ours"]
+    assert list(result["methods"]) == ["mean-only", "mean-only-same-gpus", "ours-no-lead", "ours"]
     for figures in result["methods"].values():
         assert 0 <= figures["overall_attainment"] <= 1 and figures["peak_gpus"] >= 2
     assert "GPU-hours" in captured.err  # the table goes to stderr with --json
