@@ -21,8 +21,8 @@ from router.downstream import Downstream, http_chunk
 from router.errors import ApiError
 from router.http1 import HttpError, Response
 from router.metrics import EventSeries, RouterMetrics
-from router.streaming import DONE, Stitcher, StreamState, strip_token_ids
-from router.upstream import UpstreamError, wrap_error
+from router.streaming import DONE, Stitcher, StreamState, WorkerErrorEvent, strip_token_ids
+from router.upstream import ErrorEvent, UpstreamError, wrap_error
 
 # A client whose socket buffer holds more than this stops the upstream from being read until it is below
 # LOW_WATER again (checked every _DRAIN_POLL_S: only slow clients get there).
@@ -89,9 +89,14 @@ async def relay(
             state.observe_batch(batch)
         return strip_token_ids(batch) if strip else batch
 
-    out = lead + transform(first) if first else lead
+    try:
+        out, failure = (lead + transform(first) if first else lead), None
+    except WorkerErrorEvent as e:
+        out, failure = lead + e.out, ErrorEvent(f"{worker.url} streamed an error: {e}")
     if out:
         await write(client, out)
+    if failure is not None:
+        return failure
     if lead.endswith(DONE):
         resp.close()  # the worker's stream is not needed: closing it makes vLLM abort its request
         return None
@@ -105,6 +110,8 @@ async def relay(
     resp.divert(pump.feed)
     try:
         while True:
+            if isinstance(pump.failure, WorkerErrorEvent):
+                return ErrorEvent(f"{worker.url} streamed an error: {pump.failure}")
             if pump.failure is not None:
                 raise pump.failure
             if pump.done:
@@ -169,14 +176,19 @@ class Pump:
                 self._rest = rest
                 return
             batch, self._rest = rest[: cut + 2], rest[cut + 2 :]
-            out = self._transform(batch)
+            try:
+                out = self._transform(batch)
+            except WorkerErrorEvent as e:  # what came before the error goes out; relay returns the error
+                out, self.failure = e.out, e
             if out:
                 if self._transport.is_closing():
                     raise ClientGone
                 self._transport.write(http_chunk(out) if self._chunked else out)
                 self._itl.observe(now - self._sent)
                 self._sent = now
-            if batch.endswith(DONE):
+            if self.failure is not None:
+                self._resp.wake()
+            elif batch.endswith(DONE):
                 self.done = True
                 self._resp.wake()
             elif not self.paused and self._transport.get_write_buffer_size() > HIGH_WATER:

@@ -178,6 +178,20 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
     return body
 
 
+class WorkerErrorEvent(Exception):
+    """A continuation worker streamed an OpenAI error event (vLLM's generation error) where tokens were due.
+
+    Raised by ``Stitcher.rewrite_batch`` with ``out``, the batch's events before the error (already observed
+    as delivered: the caller must write them), so the error event never reaches the client and the stream can
+    be resumed from what it has: D ends a first-token-seeded request that way when its load failed before P's
+    token came (docs/wire-contract.md ``## First-token seeding``).
+    """
+
+    def __init__(self, out: bytes, message: str) -> None:
+        super().__init__(message)
+        self.out = out
+
+
 class Stitcher:
     """Rewrites a continuation worker's events into the original stream."""
 
@@ -189,9 +203,19 @@ class Stitcher:
         self._first = True
 
     def rewrite_batch(self, batch: bytes) -> bytes:
-        """``rewrite`` applied to each event of a batch (dropped events vanish)."""
-        out = [self.rewrite(event + _SEP) for event in batch.split(_SEP) if event]
-        return b"".join(e for e in out if e is not None)
+        """``rewrite`` applied to each event of a batch (dropped events vanish); raises ``WorkerErrorEvent``
+        at an error event, with the events before it."""
+        out: list[bytes] = []
+        for event in batch.split(_SEP):
+            if not event:
+                continue
+            message = _error_message(event)
+            if message is not None:
+                raise WorkerErrorEvent(b"".join(out), message)
+            rewritten = self.rewrite(event + _SEP)
+            if rewritten is not None:
+                out.append(rewritten)
+        return b"".join(out)
 
     def rewrite(self, event: bytes) -> bytes | None:
         """The event to send to the client (None: drop it)."""
@@ -228,3 +252,17 @@ class Stitcher:
         out = _PREFIX + msgspec.json.encode(chunk) + b"\n\n"
         self._state.observe(out)
         return strip_token_ids(out) if self._strip_ids else out
+
+
+def _error_message(event: bytes) -> str | None:
+    """The message of an OpenAI error event (``data: {"error": {...}}``, no choices), None for any other."""
+    if not event.startswith(_PREFIX) or b'"error"' not in event:
+        return None
+    try:
+        chunk = msgspec.json.decode(event[len(_PREFIX) :])
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(chunk, dict) or "error" not in chunk or chunk.get("choices"):
+        return None
+    error = chunk["error"]
+    return str(error.get("message") if isinstance(error, dict) else error)

@@ -29,7 +29,7 @@ from router.http1 import HttpError, Pool, Response
 class UpstreamError(Exception):
     def __init__(self, kind: str, message: str, status: int = 0, body: bytes = b"") -> None:
         super().__init__(message)
-        self.kind = kind  # connect | timeout | status | protocol
+        self.kind = kind  # connect | timeout | status | protocol | error_event
         self.status = status
         self.body = body
 
@@ -45,6 +45,19 @@ class UpstreamError(Exception):
     @property
     def worker_fault(self) -> bool:
         return not self.client_error and self.status != 429
+
+
+class ErrorEvent(UpstreamError):
+    """A worker's stream carried an OpenAI error event where the next tokens were due (``relay``): the stream
+    is resumed from what the client has. Not held against the worker, which keeps serving: vLLM ends a
+    first-token-seeded request that way when its KV load failed on P's side (docs/wire-contract.md)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("error_event", message)
+
+    @property
+    def worker_fault(self) -> bool:
+        return False
 
 
 @functools.lru_cache(maxsize=1024)

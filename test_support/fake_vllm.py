@@ -110,6 +110,8 @@ class FakeEngine:
     # The side channel a prefill answer names (vllm-standard), and an answer to send instead of ours.
     side_channel: str = "127.0.0.1:7600"
     kv_answer: dict[str, Any] | None = None
+    # P: answer, but the KV and first token never reach D (P died right after answering, the link broke).
+    lose_kv: bool = False
     # Shared with the cluster's other fakes; ``role`` says whether this one reports legs or waits for them.
     pairings: Pairings | None = None
     role: str = "decode"
@@ -188,13 +190,15 @@ class FakeEngine:
         tokens = generate(text, n_tokens)
         pairings = self.pairings
         pair = _pairing_key(body) if pairings is not None else None
-        if pairings is not None and pair is not None and self.role == "prefill":
-            pairings.received(pair)  # a P that failed above sent no KV: its D waits in vain
+        if pairings is not None and pair is not None and self.role == "prefill" and not self.lose_kv:
+            pairings.received(pair)  # a P that failed above, or loses its KV, sent none: its D waits in vain
         try:
             if pairings is not None and pair is not None and self.role != "prefill":
                 loaded = await pairings.wait(pair)
                 kv = body.get(wire.KV_TRANSFER_PARAMS)
-                if loaded and isinstance(kv, dict) and kv.get("pd_seed_first_token"):
+                if isinstance(kv, dict) and kv.get("pd_seed_first_token"):
+                    if not loaded:  # no token to continue from: PDConnector ends the request with an error
+                        return await self._generation_error(request, bool(body.get("stream")))
                     # P's first token came with its KV and counts as D's first output: continue after it
                     # (a one-token request still samples one, as vLLM checks max_tokens after sampling)
                     tokens = generate(text, max(n_tokens, 2))[1:]
@@ -224,6 +228,23 @@ class FakeEngine:
             return _unary(self.model, chat, "".join(tokens), prompt_tokens, len(tokens), returned, ids)
         key = text.split()[-1] if self.stamps is not None and text.split() else None
         return await self._stream(request, body, chat, tokens, prompt_tokens, (key, arrived))
+
+    @staticmethod
+    async def _generation_error(request: web.Request, stream: bool) -> web.StreamResponse:
+        """vLLM's answer to a request its engine ended with an error: HTTP 500, or, streamed, HTTP 200 with the
+        error object as the only event before ``[DONE]``."""
+        error = {
+            "message": "Internal server error",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+        if not stream:
+            return web.json_response({"error": error}, status=500)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(_event({"error": error}) + b"data: [DONE]\n\n")
+        return resp
 
     async def _stream(
         self,

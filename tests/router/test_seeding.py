@@ -100,6 +100,27 @@ async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster) -> None
     assert 'pd_router_prefill_failures_total{flow="pd-push"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_decode_that_lost_prefills_token_is_resumed_after_it(make_cluster, path: str) -> None:
+    """P answered (the client got its token) but its KV and token never reached D: D ends the request with
+    vLLM's generation error rather than repeat the token. The router keeps that error from the client and
+    resumes the stream after P's token, here on the same D (its error is not held against it), which
+    prefills the prompt and the token itself: the client gets every token once and no error."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    c.prefill[0].lose_kv = True
+    r = await c.router.post(path, json=_stream_body(path, stream_options={"include_usage": True}))
+    raw = await r.read()
+    assert r.status == 200 and text_of(raw) == _expected(path, 4)
+    assert not any(isinstance(x, dict) and "error" in x for x in payloads(raw))
+    seeded, resumed = c.decode[0].requests
+    assert seeded["kv_transfer_params"]["pd_seed_first_token"] is True
+    assert "kv_transfer_params" not in resumed and resumed["max_tokens"] == 3
+    chunks = [x for x in payloads(raw) if isinstance(x, dict)]
+    assert len({x["id"] for x in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] == 4
+    metrics = await (await c.router.get("/metrics")).text()
+    assert "pd_router_decode_resumes_total 1.0" in metrics and 'kind="error_event"' in metrics
+
+
 @pytest.mark.parametrize(
     "extra",
     [

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, continuation, strip_token_ids
+from router.streaming import DONE, Stitcher, StreamState, WorkerErrorEvent, continuation, strip_token_ids
 
 
 def ev(obj) -> bytes:
@@ -144,3 +145,19 @@ def test_completions_fast_path_scans_ids_without_decoding() -> None:
     assert (s.prompt_ids, s.ids, s.tokens, s.finished) == ([1, 2], [10, 11, 12, 13], 4, False)
     s.observe_batch(event(3, [14], finish="stop") + DONE)
     assert s.ids == [10, 11, 12, 13, 14] and s.finished
+
+
+def test_an_error_event_stops_a_stitched_stream_after_what_came_before_it() -> None:
+    """vLLM's generation error (``data: {"error": ...}``) where tokens were due: the events before it are
+    handed back (and counted as delivered), the error and what follows are not; a token whose text says
+    "error" is a token."""
+    s = StreamState()
+    st = Stitcher(s, prompt_tokens=5, strip_ids=False)
+    error = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    wordy = comp_chunk('"error"')
+    with pytest.raises(WorkerErrorEvent) as raised:
+        st.rewrite_batch(comp_chunk(" a") + wordy + ev({"error": error}) + DONE)
+    assert str(raised.value) == "Internal server error"
+    out = raised.value.out
+    assert b'" a"' in out and b"InternalServerError" not in out and DONE not in out and s.tokens == 2
+    assert st.rewrite_batch(comp_chunk(" b") + DONE).endswith(DONE)
