@@ -38,6 +38,18 @@ def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], **extr
     )
 
 
+#: Blocks of 8 tokens from an engine whose block size is not the router's (``BLOCK``).
+_OTHER_SIZE = BlockStored(
+    block_hashes=[b"x5"],
+    parent_block_hash=None,
+    token_ids=A,
+    block_size=8,
+    lora_id=None,
+    medium=None,
+    lora_name=None,
+)
+
+
 def _payload(*events: object) -> bytes:
     return msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=list(events)))
 
@@ -114,15 +126,7 @@ def test_blocks_the_router_cannot_name_are_skipped() -> None:
         _stored([b"x2"], None, B, lora_id=1, lora_name="adapter"),  # another model's cache
         _stored([b"x3"], None, B, medium="CPU"),  # an offloading tier
         _stored([b"x4"], None, B, extra_keys=[("mm", "image-hash", 0)]),  # keyed by more than tokens
-        BlockStored(
-            block_hashes=[b"x5"],
-            parent_block_hash=None,
-            token_ids=A,
-            block_size=8,
-            lora_id=None,
-            medium=None,
-            lora_name=None,
-        ),  # another block size than the router's
+        _OTHER_SIZE,  # another block size than the router's
     ]
     for seq, event in enumerate(skipped):
         assert events.apply(seq, _payload(event)) == "batch"
@@ -138,18 +142,9 @@ def test_another_block_size_is_said_once_per_worker(caplog: pytest.LogCaptureFix
     count as holding anything: the log says why, and what to set, once."""
     index = PrefixIndex(BLOCK, 1000, random.Random(0))
     events = WorkerEvents(index, "d0")
-    other = BlockStored(
-        block_hashes=[b"x5"],
-        parent_block_hash=None,
-        token_ids=A,
-        block_size=8,
-        lora_id=None,
-        medium=None,
-        lora_name=None,
-    )
     with caplog.at_level(logging.WARNING, logger="router.kv_events"):
         for seq in range(3):
-            events.apply(seq, _payload(other))
+            events.apply(seq, _payload(_OTHER_SIZE))
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "blocks hold 8 tokens, kv_routing.block_size is 4" in warning and "d0" in warning
 
