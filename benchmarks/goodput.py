@@ -1,8 +1,8 @@
 """Goodput under TTFT/TPOT SLOs, end to end: aggregated vLLM vs aggregated + SLO scheduler vs our P/D vs vLLM's
 NixlConnector P/D, on the same two cores (issue 17; docs/performance.md ``## goodput``).
 
-Per workload (``--workloads``; ``benchmarks.goodput_analysis.WORKLOADS``: ``long`` 2000 -> 200 tokens,
-``mixed`` 60% 128 -> 128 chats and 40% 2000 -> 200 documents, ``short`` 128 -> 128) and per system
+Per workload (``--workloads``; ``benchmarks.goodput_analysis.WORKLOADS``: ``long`` 1800 -> 180 tokens,
+``mixed`` 60% 128 -> 128 chats and 40% 1800 -> 180 documents, ``short`` 128 -> 128) and per system
 (``--systems``; ``benchmarks.goodput_systems``), one after another: start the system (two engines, one per
 core, behind pd-router), warm it up, and run vLLM's own load generator (``pd-vllm bench serve``, random
 dataset of the workload's lengths, ``--ignore-eos``; see ``bench``) at each rate of the sweep (``--rates``,
@@ -52,7 +52,6 @@ from benchmarks.goodput_analysis import (
 )
 from benchmarks.goodput_systems import SERVED, SYSTEMS, System, build
 from pd_disagg.engines import base_url
-from pd_disagg.tiny_model import bench_model
 
 LOG_DIR = Path("logs/benchmarks/goodput")
 HEADLINE_SCALE = 2.0
@@ -180,7 +179,7 @@ def run_system(
     rng = random.Random(f"{args.seed}-{workload.name}-{name}")
     slo2 = slo_by_scale[HEADLINE_SCALE] if slo_by_scale else None
     slo_ms = (max(slo2.ttft_ms.values()), slo2.tpot_ms) if slo2 else None
-    system = build(name, args.model, args.max_len, LOG_DIR, slo_ms)
+    system = build(name, args.model, args.dtype, args.max_len, LOG_DIR, slo_ms)
     idle: dict[str, Any] | None = None
     points: list[tuple[float, dict[str, Any]]] = []
     raw: dict[float, dict[str, Any]] = {}
@@ -259,7 +258,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, default=None, help="default: the bench model (built if absent)")
+    parser.add_argument("--model", type=Path, default=Path(".cache/models/tiny-llama"))
+    parser.add_argument(
+        "--dtype", default="float32", help="the engines' (bfloat16 is slow without AVX512-BF16)"
+    )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument(
@@ -276,12 +278,11 @@ def main() -> None:
     if HEADLINE_SCALE not in args.slo_scales:
         args.slo_scales.append(HEADLINE_SCALE)
     args.slo_scales.sort()
-    args.model = (args.model or bench_model()).resolve()
-    args.vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
+    args.model = args.model.resolve()
+    config = json.loads((args.model / "config.json").read_text())
+    args.vocab, args.max_len = int(config["vocab_size"]), int(config["max_position_embeddings"])
     if str(args.plot_dir) in ("", "."):
         args.plot_dir = None
-    longest = max(c.prompt_tokens + c.output_tokens for w in args.workloads for c in WORKLOADS[w].classes)
-    args.max_len = longest + 128  # text round trips may add a few prompt tokens
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     slo_by_workload: dict[str, dict[float, Slo]] = {}
@@ -297,6 +298,7 @@ def main() -> None:
         "started": started,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "model": args.model.name,
+        "dtype": args.dtype,
         "systems": args.systems,
         "duration_s": args.duration,
         "min_prompts": args.min_prompts,

@@ -3,8 +3,8 @@
 Called by the benchmark process, one system at a time: ``build`` makes the servers (not started),
 ``System.start`` starts the engines and the router and waits for their health, ``System.close`` stops every
 server by its process group (also on failure), and ``System.kv_counters`` reads what proves that KV moved
-(or did not) between two points of a run. Every engine runs the bench model with vLLM's defaults apart from
-what the system is about; one engine is pinned to core 0, the other to core 1.
+(or did not) between two points of a run. Every engine runs ``--model`` with vLLM's defaults apart from
+what the system is about (same model and dtype); one engine is pinned to core 0, the other to core 1.
 
 - ``aggregated``: two vLLM servers, vLLM's default scheduler; pd-router with no prefill worker, so every
   request goes to one of them (policy reason ``no_prefill``) and is prefilled and decoded there;
@@ -93,7 +93,12 @@ class System:
 
 
 def build(
-    name: str, model: Path, max_len: int, log_dir: Path, slo_ms: tuple[float, float] | None = None
+    name: str,
+    model: Path,
+    dtype: str,
+    max_len: int,
+    log_dir: Path,
+    slo_ms: tuple[float, float] | None = None,
 ) -> System:
     """The servers of system ``name`` (not started). ``slo_ms``: (TTFT, ITL) targets of ``aggregated_slo``'s
     scheduler, required for it and ignored otherwise."""
@@ -110,6 +115,7 @@ def build(
             log_dir=log_dir,
             name=f"{name}-{role}",
             cpu_core=core,
+            dtype=dtype,
             max_model_len=max_len,
             kv_transfer_config=kv,
             extra_args=["--served-model-name", SERVED, *kwargs.pop("extra_args", [])],
