@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument(
         "--rates", nargs="+", type=float, help="req/s for every workload (default: per workload)"
     )
-    parser.add_argument("--duration", type=float, default=45.0, help="s of Poisson arrivals per rate")
+    parser.add_argument("--duration", type=float, default=30.0, help="s of Poisson arrivals per rate")
     parser.add_argument("--min-prompts", type=int, default=5, help="requests per rate at least")
     parser.add_argument("--slo-scales", nargs="+", type=float, default=[1.5, HEADLINE_SCALE, 3.0])
     parser.add_argument("--full-sweep", action="store_true", help="run every rate even after attainment fell")
