@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from integration_tests.pd_checks import token_stream_body
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import running
 from pd_disagg.tiny_model import bench_model
@@ -65,15 +66,7 @@ async def stream_completion(
 ) -> Stream:
     """POST a streaming completion; timestamp every event that carries tokens."""
     record = Stream(sent=time.perf_counter(), long=long)
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    body = token_stream_body(model, prompt, max_tokens)
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for raw in resp.content:

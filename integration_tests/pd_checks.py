@@ -4,7 +4,9 @@ Equal tokens alone prove nothing about a transfer: when a load fails, D recomput
 same tokens. ``Transfers`` snapshots the counters of a P and a D and then checks what a set of requests must
 have done: P sent and D received exactly the bytes of the blocks D asked for, D completed one transfer per
 request, D computed no more than the one prompt token vLLM always recomputes to sample, and nothing failed or
-was refused. Used in the test process against servers started by ``pd_disagg.engines``.
+was refused. Used in the test process against servers started by ``pd_disagg.engines``; ``metric`` and
+``token_stream_body`` (the streamed request whose tokens the scheduler test and benchmark time) also by
+benchmarks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +37,20 @@ def metric(url: str, name: str, labels: Mapping[str, str] | None = None) -> floa
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in want.items())
     )
+
+
+def token_stream_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed greedy completion of exactly ``max_tokens`` tokens whose events carry token ids, so each
+    token's arrival can be timed."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:

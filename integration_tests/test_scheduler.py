@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from integration_tests.pd_checks import token_stream_body
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
 from scheduler_plugins.config import SchedulerSettings
@@ -60,15 +61,7 @@ async def _complete(
 ) -> tuple[list[int], list[float]]:
     """Streamed greedy completion: token ids and the arrival time of each (appended to ``times`` as they
     arrive, so a caller can watch a stream's progress)."""
-    body: dict[str, Any] = {
-        "model": server.argv[server.argv.index("serve") + 1],
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
+    body = token_stream_body(server.argv[server.argv.index("serve") + 1], prompt, max_tokens)
     if xargs:
         body["vllm_xargs"] = xargs
     ids: list[int] = []
