@@ -239,16 +239,22 @@ def test_a_conversation_follows_its_prefix_cache(cluster: dict[str, Any]) -> Non
     transfers.check(1, blocks=blocks_to_load(len1))
     turns = [(list(messages), first)]
 
-    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
-    messages += [{"role": "user", "content": words(2)}]
-    served, transfers = _served(ds), Transfers(cluster["p"], ds)
-    hits_before = metric(ds[home], "vllm:prefix_cache_hits_total")
-    route, second = _chat(router, messages)
+    def next_turn(previous: dict[str, Any], user_words: int) -> tuple[str, dict[str, Any], Transfers, float]:
+        """The answer so far and a new user message through the router: its route and answer, the transfer
+        snapshot taken before it and the prefix-cache hits it made on turn 1's D, which must have served it."""
+        messages.append({"role": "assistant", "content": previous["choices"][0]["message"]["content"]})
+        messages.append({"role": "user", "content": words(user_words)})
+        served, transfers = _served(ds), Transfers(cluster["p"], ds)
+        hits_before = metric(ds[home], "vllm:prefix_cache_hits_total")
+        route, answer = _chat(router, messages)
+        assert [a - b for a, b in zip(_served(ds), served, strict=True)] == [
+            i == home for i in range(len(ds))
+        ]
+        return route, answer, transfers, metric(ds[home], "vllm:prefix_cache_hits_total") - hits_before
+
+    route, second, transfers, hit = next_turn(first, 2)
     assert route == "local"
-    assert [a - b for a, b in zip(_served(ds), served, strict=True)] == [i == home for i in range(len(ds))]
-    assert (
-        metric(ds[home], "vllm:prefix_cache_hits_total") - hits_before >= len1 // BLOCK_TOKENS * BLOCK_TOKENS
-    )
+    assert hit >= len1 // BLOCK_TOKENS * BLOCK_TOKENS
     assert (
         transfers.now().sent == transfers.before.sent
         and transfers.now().received == transfers.before.received
@@ -261,14 +267,8 @@ def test_a_conversation_follows_its_prefix_cache(cluster: dict[str, Any]) -> Non
     )
     turns.append((list(messages), second))
 
-    messages += [{"role": "assistant", "content": second["choices"][0]["message"]["content"]}]
-    messages += [{"role": "user", "content": words(60)}]
-    served, transfers = _served(ds), Transfers(cluster["p"], ds)
-    hits_before = metric(ds[home], "vllm:prefix_cache_hits_total")
-    route, third = _chat(router, messages)
+    route, third, transfers, hit = next_turn(second, 60)
     assert route == "disagg"
-    assert [a - b for a, b in zip(_served(ds), served, strict=True)] == [i == home for i in range(len(ds))]
-    hit = metric(ds[home], "vllm:prefix_cache_hits_total") - hits_before
     len2, len3 = second["usage"]["prompt_tokens"], third["usage"]["prompt_tokens"]
     assert hit >= len2 // BLOCK_TOKENS * BLOCK_TOKENS  # at least turn 2's prompt, which D computed itself
     transfers.check(1, blocks=blocks_to_load(len3, int(hit)))  # only what D lacked moved
