@@ -215,9 +215,8 @@ def test_many_concurrent_transfers_with_random_failures_end_exactly_once(seed: i
                     TransferState.ABORTED,
                     TransferState.DONE,
                 }
-        time.sleep(0.1)
-        assert pr.d.poll() == [] and pr.p.poll() == []
-        assert_no_state(pr.p, pr.d)
+        wait_until(lambda: not leaks(pr.p) and not leaks(pr.d), 5, "both engines without per-request state")
+        assert pr.d.poll() == [] and pr.p.poll() == [], "a transfer reported twice"
     finally:
         pr.close()
 
