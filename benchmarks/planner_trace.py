@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run {run + 1}: {walls[-1]:.2f} s", file=sys.stderr)
     result["wall_s_median"] = statistics.median(walls)
     result["wall_s"] = walls
-    result["command"] = "pd-plan " + " ".join(["trace", *CASE, *passthrough])
+    result["command"] = "pd-plan " + " ".join(["trace", *CASE, *passthrough]).replace(f"{ROOT}/", "")
     print(json.dumps(result))
     return 0
 
