@@ -8,14 +8,7 @@ import msgspec
 import pytest
 
 from planner import fleet, trace
-from planner.profile import DecodePoint, Profile
-
-PROFILE = Profile(
-    prefill_max_tokens_per_s=40000.0,
-    ttft_overhead_s=0.1,
-    decode=[DecodePoint(1, 0.010), DecodePoint(8, 0.011), DecodePoint(32, 0.014), DecodePoint(64, 0.018),
-            DecodePoint(128, 0.026)],
-)  # fmt: skip
+from tests.planner.conftest import PROFILE
 
 
 @pytest.fixture(scope="module")

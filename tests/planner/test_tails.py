@@ -7,15 +7,9 @@ import pytest
 
 from planner import simulator, tails
 from planner.model import InfeasibleError
-from planner.profile import DecodePoint, Profile
 from planner.trace import Lognormal
+from tests.planner.conftest import PROFILE
 
-PROFILE = Profile(
-    prefill_max_tokens_per_s=40000.0,
-    ttft_overhead_s=0.1,
-    decode=[DecodePoint(1, 0.010), DecodePoint(8, 0.011), DecodePoint(32, 0.014), DecodePoint(64, 0.018),
-            DecodePoint(128, 0.026)],
-)  # fmt: skip
 ISL = Lognormal(2048, 0.8)
 OSL = Lognormal(256, 1.0)
 
