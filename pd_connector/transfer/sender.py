@@ -344,6 +344,10 @@ class Sender:
         if error is not None:
             self._end(st, TransferState.FAILED, f"layer {layer} write failed: {error!r}")
             self._maybe_ended(st)
+            # A transport endpoint whose write failed (its data connection reset, its peer gone) fails every
+            # later write too: drop this decode, which detaches the endpoint and fails its other transfers, so
+            # its next transfer dials again and gets a fresh handshake and data path, not the dead one.
+            binding.peer.conn.close(f"a write into it failed: {error!r}")
             return
         n = future.result()
         st.bytes += n

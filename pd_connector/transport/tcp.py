@@ -39,6 +39,9 @@ class TcpConfig:
     #: Address peers connect to; defaults to ``host``, or this host's default-route address when ``host``
     #: is a wildcard (0.0.0.0).
     advertise_host: str | None = None
+    #: Port peers connect to, put into the descriptor; defaults to the listener's own (set it when something
+    #: in between forwards another port to the listener: a NAT, or the chaos tests' fault proxy).
+    advertise_port: int | None = None
     #: Largest payload per frame in bytes; longer spans are split. Receivers drop bigger frames.
     max_frame_bytes: int = 64 << 20
     #: Seconds ``attach`` may take to connect and say hello.
@@ -73,7 +76,13 @@ class TcpTransport(Transport):
             )
         host = advertised_host(self.config.host, self.config.advertise_host)
         return msgspec.msgpack.encode(
-            TcpDescriptor(PROTOCOL_VERSION, host, self.port, self._listener.token, self._regions.infos())
+            TcpDescriptor(
+                PROTOCOL_VERSION,
+                host,
+                self.config.advertise_port or self.port,
+                self._listener.token,
+                self._regions.infos(),
+            )
         )
 
     def attach(self, peer_id: str, descriptor: bytes) -> Future[None]:

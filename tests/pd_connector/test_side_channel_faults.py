@@ -1,10 +1,11 @@
-"""Faults on D's control connection to P's side channel, injected by ``test_support.fault_proxy`` between two
-real transfer engines over the TCP data plane: a reset mid-transfer fails the transfer on both sides at once
-(well inside the configured timeouts), leaves no state and no lease behind, and the next transfer, on a new
-connection, goes through."""
+"""Faults on the connections between two real transfer engines over the TCP data plane, injected by
+``test_support.fault_proxy``: D's control connection to P's side channel, or P's data connection into D. A
+reset mid-transfer fails the transfer on both sides at once (well inside the configured timeouts), leaves no
+state and no lease behind, and the next transfer, on new connections, goes through."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import pytest
 
 from pd_connector.transfer import TransferEngine, TransferState
 from pd_connector.transport.factory import TransportConfig, create_transport
+from pd_connector.transport.tcp import TcpConfig
 from test_support.fault_proxy import FaultProxy
 from tests.pd_connector.engines import (
     FAST,
@@ -77,3 +79,49 @@ def test_a_side_channel_reset_mid_transfer_fails_both_sides_cleanly(
         assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
         assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
         assert_no_state(p, d)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_data_connection_reset_mid_transfer_fails_both_sides_and_the_next_transfer_redials() -> None:
+    """P's data connection into D goes through the proxy (D advertises the proxy's port): reset after layer 0
+    landed, P's next writes fail, both sides report FAILED at once, and the next transfer gets a new data
+    connection instead of the dead one (P drops a decode whose write failed, so D dials again)."""
+    data_port = free_port()
+    with FaultProxy(("127.0.0.1", data_port)) as proxy:
+        pc, dc = KVCache(SMALL, 32, seed=1), KVCache(SMALL, 32, seed=None)
+        d_tcp = TcpConfig(port=data_port, advertise_port=proxy.port)
+        p = make_engine(pc, create_transport(TransportConfig(kind="tcp")), True, "P", **CONFIG)
+        d = make_engine(dc, create_transport(TransportConfig(kind="tcp", tcp=d_tcp)), False, "D", **CONFIG)
+        with closing(p, d):
+            d.expect("cut", addr(p), DST, 12)
+            p.offer("cut", SRC)
+            p.push_layer("cut", 0)
+            wait_until(lambda: d.state("cut") is TransferState.TRANSFERRING, what="layer 0 landed on D")
+            assert proxy.reset_connections() == 1
+            reset_at = time.monotonic()
+            for layer in (1, 2):
+                p.push_layer("cut", layer)
+            p.finish("cut")
+            got_d, got_p = wait(d, {"cut"})["cut"], wait(p, {"cut"})["cut"]
+            assert got_p.state is TransferState.FAILED and "write failed" in got_p.reason, got_p
+            assert got_d.state is TransferState.FAILED, (
+                got_d
+            )  # P's Abort or P dropping the link, whichever first
+            assert time.monotonic() - reset_at < CONFIG["heartbeat_timeout_s"] + SLACK_S
+            assert_no_state(p, d)
+
+            d.expect("next", addr(p), DST, 12)
+            p.offer("next", SRC)
+            for layer in range(SMALL.num_layers):
+                p.push_layer("next", layer)
+            p.finish("next")
+            assert wait(d, {"next"})["next"].state is TransferState.DONE
+            assert wait(p, {"next"})["next"].state is TransferState.DONE
+            assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
+            assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
+            assert_no_state(p, d)
