@@ -163,8 +163,9 @@ def _simulate_method(
     starts = _windows(config)
     grid = np.arange(0.0, horizon + _GRID_S / 2, _GRID_S)
     middles = grid[:-1] + _GRID_S / 2
-    rng = np.random.default_rng((config.seed, METHODS.index(name)))
     q = config.percentile / 100
+    # Each method draws its own seeded traffic from the same rate curve and length distributions.
+    rng = np.random.default_rng((config.seed, METHODS.index(name)))
     per_window = len(starts)
     pools: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for pool, need in zip(("prefill", "decode"), needs, strict=True):
