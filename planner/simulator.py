@@ -14,6 +14,10 @@ Called by ``pd-plan --verify`` / ``--plot-dir`` (``planner.cli``) and the valida
 
 TPOT of a request is (last token time - first token time) / (output tokens - 1), so it includes any wait for a
 decode slot, as a user would see it.
+
+``single_queue_prefill`` (closed-form FCFS queue) and ``fluid_decode`` (continuous batching as a fluid) are
+vectorised one-instance versions for ``planner.fleet``'s day-long runs, tested against ``_prefill`` and
+``_decode``.
 """
 
 from __future__ import annotations
