@@ -10,5 +10,6 @@ down and has the support matrix):
   (handshake, leases, timeouts, abort, metrics), shared by both engines.
 - ``wire``: the request fields a router sends each engine (docs/wire-contract.md).
 - ``settings``: the transfer settings both adapters and the engine share, defined once, and their parser.
+- ``metrics``: the transfer metrics both adapters export (what an ended transfer counts, Prometheus names).
 - ``vllm/`` and ``sglang/``: thin adapters that map each engine's connector API onto the transfer engine.
 """

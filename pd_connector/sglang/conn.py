@@ -16,7 +16,8 @@ through ``compat.py``. What moves the KV is pd_connector's ``TransferEngine``:
   pushes every layer of the chunk's page range, and on the last chunk calls ``finish`` with the first
   sampled token, which D writes into its metadata row.
 
-A background thread per manager turns the engine's results into ``KVPoll`` states. Every path ends: P waits
+A background thread per manager turns the engine's results into ``KVPoll`` states (and, with SGLang's
+``--enable-metrics``, into the ``sglang:pd_connector_*`` metrics of ``stats.py``). Every path ends: P waits
 for D at most ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (and its lease), D waits for the KV at most
 ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``, dead peers are noticed by heartbeats, and aborts are sent to the
 other side. Methods called by SGLang's scheduler never raise for transfer problems: they log, record the
