@@ -2,81 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import pytest
-from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
-from pd_connector import wire
 from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
 from pd_connector.vllm import scheduler_side
 from pd_connector.vllm.metadata import FinishedSend, RecvSpec, SendSpec
 from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerSide
-
-BS = 32
-ADDR = "10.0.0.1:7000"
-VOCAB = 5000  # above the prompts' and tokens' ids below
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    kv_transfer_params: dict[str, Any] | None
-    prompt_token_ids: list[int]
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.RUNNING
-    output_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class FakeBlocks:
-    ids: list[int]
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
-
-
-@dataclass
-class FakeManager:
-    blocks: dict[str, list[int]] = field(default_factory=dict)
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
-        return (self.blocks[req_id],)
-
-
-@dataclass
-class FakeOutput:
-    num_scheduled_tokens: dict[str, int]
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-
-def decode_params(transfer_id: str = "t1") -> dict[str, Any]:
-    return {"pd_transfer_id": transfer_id, "pd_role": "decode", "pd_prefill_addr": ADDR}
-
-
-def make_side(**kwargs: Any) -> tuple[SchedulerSide, FakeManager]:
-    """A kv_both side whose peers prove a shared secret (so it may dial ADDR), unless ``kwargs`` say else."""
-    side = SchedulerSide(BS, ADDR, VOCAB, **{"policy": PeerPolicy(authenticated=True), **kwargs})
-    manager = FakeManager()
-    side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
-    return side, manager
-
-
-def refused(side: SchedulerSide) -> int:
-    stats = side.stats()
-    return 0 if stats is None else int(stats.data["refused_requests"])
-
-
-def classify(params: Any, req_id: str = "r", **kwargs: Any) -> PrefillRole | DecodeRole | None:
-    side, _ = make_side(**kwargs)
-    return side.classify(FakeRequest(req_id, params, [1, 2, 3]))  # type: ignore[arg-type]
+from tests.pd_connector.vllm.sides import (
+    ADDR,
+    BS,
+    VOCAB,
+    FakeBlocks,
+    FakeManager,
+    FakeOutput,
+    FakeRequest,
+    classify,
+    decode_params,
+    make_side,
+    refused,
+)
 
 
 def test_classify_roles() -> None:
@@ -211,141 +160,6 @@ def test_decode_finished_load_needs_no_abort() -> None:
     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
     assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
     assert side.build_connector_meta(FakeOutput({})).aborted_recvs == []  # type: ignore[arg-type]
-
-
-def _loaded(side: SchedulerSide, params: dict[str, Any], prompt_len: int = 64) -> Request:
-    """A real vLLM request on D whose load of ``prompt_len`` tokens was planned (two blocks)."""
-    req = Request("d1", list(range(prompt_len)), SamplingParams(temperature=0.8, seed=7), None)
-    req.kv_transfer_params = params
-    assert side.get_num_new_matched_tokens(req, 0) == (prompt_len, True)  # type: ignore[arg-type]
-    req.num_computed_tokens = prompt_len  # what vLLM sets when it parks the request for the load
-    side.update_state_after_alloc(req, FakeBlocks([3, 4]), prompt_len)  # type: ignore[arg-type]
-    side.build_connector_meta(FakeOutput({}))  # type: ignore[arg-type]
-    return req
-
-
-def test_seeded_decode_continues_from_prefills_first_token() -> None:
-    """P's token becomes D's first output and the position after the prompt is D's next input: vLLM's
-    check (``num_computed_tokens == num_tokens``: recompute the last prompt token) no longer applies, and
-    its model runner, which builds a new request from ``prompt_token_ids``, gets the token as input."""
-    side, _ = make_side()
-    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    prompt = req.prompt_token_ids
-    side.update_connector_output({"d1"}, {"d1": 4242})
-    assert list(req.output_token_ids) == [4242] and req.num_output_tokens == 1
-    assert req.num_tokens == 65 and req.num_computed_tokens == 64 and req.num_prompt_tokens == 64
-    assert req.prompt_token_ids == [*range(64), 4242]
-    assert prompt == list(range(64)), "the client's prompt list is not changed in place"
-    assert list(req.all_token_ids) == [*range(64), 4242]
-
-
-def test_unseeded_decode_ignores_the_token() -> None:
-    """Without the router's flag (vLLM's own proxies, other callers) D samples its first token itself, and
-    a seeded request whose load brought no token (failed, or P sent none) is left as it was."""
-    side, _ = make_side()
-    req = _loaded(side, decode_params())
-    side.update_connector_output({"d1"}, {"d1": 4242})
-    assert req.num_output_tokens == 0 and req.num_tokens == 64
-    side, _ = make_side()
-    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    side.update_connector_output({"d1"}, {})
-    side.update_connector_output({"d1"}, {"d1": 4242})  # a late token for a load already reported: ignored
-    assert req.num_output_tokens == 0 and req.num_tokens == 64
-
-
-def _returned(first_token: int | None) -> dict[str, Any]:
-    """D's params in vLLM's standard flow: what P answered (with its first token), seeded by the router."""
-    returned = wire.PrefillReturned("t1", ADDR, pd_seed_first_token=True, pd_first_token=first_token)
-    return wire.encode(returned)
-
-
-def test_failed_load_is_seeded_with_the_token_p_answered() -> None:
-    """vLLM's standard flow: P died after answering, so its ``Done`` never came and the load failed; D still
-    continues from the token the client was streamed, taken from P's answer, and vLLM recomputes the prompt
-    and that token (it set ``num_computed_tokens`` to 0 for the failed load before this hook)."""
-    side, _ = make_side()
-    req = _loaded(side, _returned(4242))
-    req.num_computed_tokens = 0
-    side.update_connector_output({"d1"}, {})
-    assert list(req.output_token_ids) == [4242] and req.prompt_token_ids == [*range(64), 4242]
-    assert req.num_tokens == 65 and req.num_computed_tokens == 0
-    # P's ``Done`` wins over the copy in its answer when both came.
-    side, _ = make_side()
-    req = _loaded(side, _returned(4242))
-    side.update_connector_output({"d1"}, {"d1": 17})
-    assert list(req.output_token_ids) == [17]
-
-
-def test_a_seeded_load_that_failed_without_a_token_ends_with_an_error() -> None:
-    """pd-push: the load failed before P's ``Done`` came (P died after answering, the link broke), so no token
-    can seed the request; recomputing would make D sample a first token of its own after the one the client
-    has. It is named to fail instead, and is then neither seeded nor aborted as a load in flight. A seeded load
-    with a token to continue from, and an unseeded one, recompute as vLLM's policy says."""
-    side, _ = make_side()
-    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    assert side.loads_to_fail({"d1"}, {}) == {"d1"}
-    side.update_connector_output({"d1"}, {})
-    assert req.num_output_tokens == 0
-    req.status = RequestStatus.FINISHED_ERROR
-    assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
-    assert side.build_connector_meta(FakeOutput({})).aborted_recvs == []  # type: ignore[arg-type]
-    for params, tokens in (
-        ({**decode_params(), "pd_seed_first_token": True}, {"d1": 7}),  # Done came before the failure
-        (_returned(7), {}),  # vLLM's standard flow: P's answer has it
-        (decode_params(), {}),  # not seeded: D samples its own first token anyway
-    ):
-        side, _ = make_side()
-        _loaded(side, params)
-        assert side.loads_to_fail({"d1"}, tokens) == set()
-    side, _ = make_side()
-    _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    assert side.loads_to_fail(set(), {}) == set(), "a load that did not fail"
-    assert side.loads_to_fail({"d1"}, {"d1": VOCAB}) == {"d1"}, "a token outside the vocabulary seeds nothing"
-
-
-@pytest.mark.parametrize("token", [VOCAB, VOCAB + 5, 2**31 - 1])
-def test_a_token_outside_the_vocabulary_is_never_used(token: int) -> None:
-    """From a faulty or hostile P (``Done``) or caller (the body): the model's embedding lookup would crash
-    the engine. The request is served unseeded instead."""
-    side, _ = make_side()
-    req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    side.update_connector_output({"d1"}, {"d1": token})
-    assert req.num_output_tokens == 0 and req.num_tokens == 64
-    side, _ = make_side()
-    req = _loaded(side, _returned(token))
-    side.update_connector_output({"d1"}, {})
-    assert req.num_output_tokens == 0 and req.num_tokens == 64
-    side, _ = make_side()
-    req = _loaded(side, _returned(VOCAB - 1))  # the last id of the vocabulary is a token
-    side.update_connector_output({"d1"}, {})
-    assert list(req.output_token_ids) == [VOCAB - 1]
-
-
-def test_prefill_answers_its_first_token() -> None:
-    """P's answer (vLLM's standard flow: D's params) carries the token P sampled; an aborted prefill's
-    answer carries none."""
-    side, _ = make_side()
-    req = FakeRequest("p1", {"do_remote_decode": True}, list(range(40)))
-    side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
-    req.status, req.output_token_ids = RequestStatus.FINISHED_LENGTH_CAPPED, [0]
-    _, params = side.request_finished(req, [1, 2])  # type: ignore[arg-type]
-    returned = wire.parse_params(params)
-    assert isinstance(returned, wire.PrefillReturned) and returned.pd_first_token == 0
-
-
-def test_prefill_hands_its_first_token_to_the_worker() -> None:
-    """What ``Done`` carries to D: the token P sampled after the prompt (none for an aborted request)."""
-    side, _ = make_side()
-    for req_id, status, outputs, expected in (
-        ("p1", RequestStatus.FINISHED_LENGTH_CAPPED, [77], FinishedSend("p1", True, True, 77)),
-        ("p2", RequestStatus.FINISHED_STOPPED, [2], FinishedSend("p2", True, True, 2)),
-        ("p3", RequestStatus.FINISHED_ABORTED, [], FinishedSend("p3", False, True, None)),
-    ):
-        req = FakeRequest(req_id, {"pd_role": "prefill", "pd_transfer_id": req_id}, list(range(40)))
-        side.update_state_after_alloc(req, FakeBlocks([]), 0)  # type: ignore[arg-type]
-        req.status, req.output_token_ids = status, outputs
-        side.request_finished(req, [1, 2])  # type: ignore[arg-type]
-        assert side.build_connector_meta(FakeOutput({})).finished_sends == [expected]  # type: ignore[arg-type]
 
 
 def test_prefill_follows_every_chunk_and_keeps_blocks_until_released() -> None:
