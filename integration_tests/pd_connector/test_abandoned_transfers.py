@@ -11,6 +11,7 @@ import http.client
 import json
 import random
 import time
+import urllib.error
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -101,3 +102,35 @@ def test_decode_times_out_when_prefill_never_delivers(pd: Cluster) -> None:
     assert min(D_LOAD_TIMEOUT_S, LEASE_S) - 0.5 <= took <= D_LOAD_TIMEOUT_S + 20
     wait_until(lambda: metric(pd.d_url, FAILURES) == failures + 1, 10, "the failure counted")
     wait_until(lambda: blocks_idle(pd.d_url), 10, "D blocks freed")
+
+
+def test_seeded_decode_after_its_prefill_is_gone(pd: Cluster) -> None:
+    """First-token seeding when P answered (the client has its token) but is gone before D loads: D's load fails
+    at connect. In vLLM's standard flow P's answer carried the token (``pd_first_token``): D prefills the
+    prompt and that token itself and continues after it, so its tokens are the colocated ones after the
+    first. In pd-push the token only travels in P's ``Done``, which never came: D ends the request with vLLM's
+    generation error (pd-router then resumes the stream after P's token) instead of recomputing, which would
+    sample a first token of D's own and repeat the one the client has. D frees its blocks and keeps serving."""
+    prompt = tokens(100, seed=7300)
+    reference = pd.reference(prompt)
+    returned = pd_client.standard_prefill(pd.p_url, body(prompt))
+    assert returned["pd_first_token"] == reference[0], "P's answer carries the token it sampled"
+    failures = metric(pd.d_url, FAILURES)
+    gone = {**returned, "pd_prefill_addr": pd.down_addr, "pd_seed_first_token": True}
+    seeded = pd_client.post_json(
+        pd.d_url + "/v1/completions", {**body(prompt), wire.KV_TRANSFER_PARAMS: gone}
+    )
+    assert token_ids(seeded) == reference[1:], "D continued after P's token, which it did not repeat"
+    push = wire.PushDecode(uuid.uuid4().hex, pd.down_addr, pd_seed_first_token=True)
+    try:
+        answer = pd_client.post_json(
+            pd.d_url + "/v1/completions", {**body(prompt), wire.KV_TRANSFER_PARAMS: wire.encode(push)}
+        )
+    except urllib.error.HTTPError as e:
+        assert e.code == 500, e.read()
+    else:
+        raise AssertionError(f"a seeded load without P's token must not be answered: {answer}")
+    wait_until(lambda: metric(pd.d_url, FAILURES) == failures + 2, 10, "both failed loads counted")
+    wait_until(lambda: blocks_idle(pd.d_url), 10, "D blocks freed")
+    assert token_ids(pd_client.post_json(pd.d_url + "/v1/completions", body(prompt))) == reference
+    wait_until(lambda: blocks_idle(pd.p_url), LEASE_S + 15, "P's lease on the answered prefill expired")
