@@ -53,8 +53,8 @@ class Workload:
 LONG = RequestClass("long", 0.4, 1800, 180)
 SHORT = RequestClass("short", 0.6, 128, 128)  # a chat turn
 WORKLOADS = {
-    "long": Workload("long", (RequestClass("long", 1.0, 1800, 180),), (0.5, 1.0, 2.0, 4.0)),
-    "mixed": Workload("mixed", (SHORT, LONG), (0.5, 1.0, 2.0, 4.0)),
+    "long": Workload("long", (RequestClass("long", 1.0, 1800, 180),), (0.125, 0.25, 0.5, 1.0)),
+    "mixed": Workload("mixed", (SHORT, LONG), (0.25, 0.5, 1.0, 2.0)),
     "short": Workload("short", (RequestClass("short", 1.0, 128, 128),), (1.0, 2.0, 4.0, 8.0)),
 }
 
