@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pd_disagg.engines import base_url, vllm_server
-from pd_disagg.servers import process_group_members
+from pd_disagg.servers import ManagedServer, process_group_members
 
 PROMPTS = [
     "def hello(world):",
@@ -35,17 +35,20 @@ def _complete(url: str, model: str, prompt: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server_url(start_servers, tiny_model: Path, log_dir: Path) -> str:
-    (server,) = start_servers(
-        vllm_server(tiny_model, log_dir=log_dir, name="vllm-f32", dtype="float32", cpu_core=0)
+def servers(start_servers, tiny_model: Path, log_dir: Path) -> list[ManagedServer]:
+    """The served model's server (core 0) and one for the harness's stop test (core 1), started together:
+    two engines load in parallel in about the time of one."""
+    return start_servers(
+        vllm_server(tiny_model, log_dir=log_dir, name="vllm-f32", dtype="float32", cpu_core=0),
+        vllm_server(tiny_model, log_dir=log_dir, name="vllm-stop", dtype="float32", cpu_core=1),
     )
-    return base_url(server)
 
 
-def test_greedy_tokens_match_transformers(server_url: str, tiny_model: Path) -> None:
+def test_greedy_tokens_match_transformers(servers: list[ManagedServer], tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    server_url = base_url(servers[0])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     for prompt in PROMPTS:
@@ -57,10 +60,10 @@ def test_greedy_tokens_match_transformers(server_url: str, tiny_model: Path) -> 
         assert len(served) == MAX_TOKENS
 
 
-def test_stopped_server_leaves_no_process(start_servers, tiny_model: Path, log_dir: Path) -> None:
-    """The harness kills the whole process group (API server + EngineCore) on stop."""
-    server = vllm_server(tiny_model, log_dir=log_dir, name="vllm-stop", dtype="float32", cpu_core=1)
-    start_servers(server)
+def test_stopped_server_leaves_no_process(servers: list[ManagedServer]) -> None:
+    """The harness kills the whole process group (API server + EngineCore + worker) on stop."""
+    server = servers[1]
     pgid = server.pid
+    assert process_group_members(pgid), "a running server has processes"
     server.stop()
     assert process_group_members(pgid) == []
