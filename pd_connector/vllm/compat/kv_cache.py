@@ -38,9 +38,9 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
     model has several KV cache groups (full attention next to sliding window or Mamba/SSM state), and
     sliding-window, state and DeepSeek-V4's sparse or fp8 MLA caches lay out or drop tokens differently:
     moving only the first group would leave the others empty and decode from them. MLA on vLLM's CPU platform
-    is refused too: the latent moves exactly, but D's answers differed from P's in our integration run
-    (docs/architecture.md ``## GPU KV caches and attention layouts``); vLLM turns prefix caching off for MLA
-    on CPU, and a P->D load is a prefix D attends over.
+    is refused too: its CPU MLA backend gives one prompt other greedy tokens when other requests share its
+    prefill batch (measured without any transfer), and a P->D run answered differently from P (docs/architecture.md
+    ``## GPU KV caches and attention layouts``).
     """
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -66,8 +66,9 @@ def kv_cache_problem(kv_cache_config: KVCacheConfig) -> str | None:
         )
     if plain_mla and current_platform.is_cpu():
         return (
-            "an MLA model on vLLM's CPU platform, which serves MLA without prefix caching: a decode node "
-            "attending over a latent loaded from P answered differently from P (not supported)"
+            "an MLA model on vLLM's CPU platform, whose MLA backend answers a prompt differently when other "
+            "requests share its prefill batch, so a P->D answer cannot be checked against P's (not supported; "
+            "docs/architecture.md)"
         )
     return None
 
