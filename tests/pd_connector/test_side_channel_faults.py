@@ -69,16 +69,23 @@ def test_a_side_channel_reset_mid_transfer_fails_both_sides_cleanly(
         assert_no_state(p, d)
 
         # The next transfer dials again (a new connection through the proxy) and goes through.
-        d.expect("next", proxy.address, DST, 12)
-        p.offer("next", SRC)
-        for layer in range(SMALL.num_layers):
-            p.push_layer("next", layer)
-        p.finish("next")
-        assert wait(d, {"next"})["next"].state is TransferState.DONE
-        assert wait(p, {"next"})["next"].state is TransferState.DONE
-        assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
-        assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
-        assert_no_state(p, d)
+        _next_transfer_goes_through(p, d, pc, dc, proxy.address, proxy)
+
+
+def _next_transfer_goes_through(
+    p: TransferEngine, d: TransferEngine, pc: KVCache, dc: KVCache, prefill: str, proxy: FaultProxy
+) -> None:
+    """After the fault, a new transfer from ``prefill`` lands whole over a new connection (the proxy's second)."""
+    d.expect("next", prefill, DST, 12)
+    p.offer("next", SRC)
+    for layer in range(SMALL.num_layers):
+        p.push_layer("next", layer)
+    p.finish("next")
+    assert wait(d, {"next"})["next"].state is TransferState.DONE
+    assert wait(p, {"next"})["next"].state is TransferState.DONE
+    assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
+    assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
+    assert_no_state(p, d)
 
 
 def free_port() -> int:
@@ -115,13 +122,4 @@ def test_a_data_connection_reset_mid_transfer_fails_both_sides_and_the_next_tran
             assert time.monotonic() - reset_at < CONFIG["heartbeat_timeout_s"] + SLACK_S
             assert_no_state(p, d)
 
-            d.expect("next", addr(p), DST, 12)
-            p.offer("next", SRC)
-            for layer in range(SMALL.num_layers):
-                p.push_layer("next", layer)
-            p.finish("next")
-            assert wait(d, {"next"})["next"].state is TransferState.DONE
-            assert wait(p, {"next"})["next"].state is TransferState.DONE
-            assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
-            assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
-            assert_no_state(p, d)
+            _next_transfer_goes_through(p, d, pc, dc, addr(p), proxy)
