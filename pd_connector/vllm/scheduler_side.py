@@ -266,7 +266,7 @@ class SchedulerSide:
         """Loads that ended this step (``first_tokens``: P's first token of those whose ``Done`` carried one).
 
         Called by vLLM before it promotes the finished loads, so a seeded request is promoted with P's token
-        as its first output. A failed load is seeded too when the token is known (``seed_token``): vLLM then
+        as its first output. A failed load is seeded too when the token is known (``_seed_token``): vLLM then
         recomputes the prompt and the token, and D still continues from the token the client was streamed.
         """
         self._loading.difference_update(finished_recving)
@@ -274,11 +274,11 @@ class SchedulerSide:
             request = self._seeding.pop(req_id, None)
             if request is None:
                 continue
-            token = self.seed_token(req_id, first_tokens)
+            token = self._seed_token(req_id, first_tokens)
             if token is None or not seed_first_token(request, token):
                 logger.warning("PDConnector: seeded request %s loaded without P's first token", req_id)
 
-    def seed_token(self, req_id: str, first_tokens: dict[str, int]) -> int | None:
+    def _seed_token(self, req_id: str, first_tokens: dict[str, int]) -> int | None:
         """The token a seeded request continues from: P's ``Done``'s, else the copy in P's answer (vLLM's
         standard flow); None when neither came, or the token is outside the vocabulary (a faulty or hostile
         peer or caller: it would crash the model's embedding lookup)."""
@@ -296,7 +296,7 @@ class SchedulerSide:
         seeded requests among ``failed`` that no token can seed. The client already has P's token, so
         recomputing would make D sample a first token of its own and the stream would repeat it; they end
         with an error instead (``compat.fail_loads_on_request``), under any ``kv_load_failure_policy``."""
-        doomed = {r for r in failed if r in self._seeding and self.seed_token(r, first_tokens) is None}
+        doomed = {r for r in failed if r in self._seeding and self._seed_token(r, first_tokens) is None}
         for req_id in doomed:
             del self._seeding[req_id]
             self._loading.discard(req_id)  # reported finished: ending the request aborts no load
