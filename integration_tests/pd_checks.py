@@ -11,15 +11,15 @@ benchmarks.
 
 from __future__ import annotations
 
-import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_disagg.tiny_model import PRESETS
+from tests.polling import wait_until
 
 BLOCK_TOKENS = 32  # every test server runs --block-size 32
 #: Bytes of one KV block of the tiny model in float32 (what the tests serve): heads-major CPU blocks move whole.
@@ -51,16 +51,6 @@ def token_stream_body(model: str, prompt: list[int], max_tokens: int) -> dict[st
         "stream": True,
         "return_token_ids": True,
     }
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
-    """Poll ``predicate``; return the seconds it took, fail the test with ``what`` on timeout."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def blocks_idle(url: str) -> bool:

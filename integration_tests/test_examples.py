@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from integration_tests.conftest import ROOT
-from integration_tests.pd_checks import Transfers, blocks_idle, blocks_to_load, metric, wait_until
+from integration_tests.pd_checks import Transfers, blocks_idle, blocks_to_load, metric
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, router_server, vllm_server
+from tests.polling import wait_until
 
 EXAMPLES = ROOT / "examples"
 ROUTER_TOML = EXAMPLES / "router.toml"

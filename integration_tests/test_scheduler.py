@@ -24,6 +24,7 @@ from integration_tests.pd_checks import token_stream_body
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
 from scheduler_plugins.config import SchedulerSettings
+from tests.polling import wait_until_async
 
 BUDGET_LINE = re.compile(r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+)")
 TIMEOUT = aiohttp.ClientTimeout(total=180)
@@ -133,18 +134,18 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
                 for i, times in enumerate(decode_times)
             ]
             try:
-                deadline = time.monotonic() + 60
-                while min(len(t) for t in decode_times) < 3:  # every stream is decoding
-                    assert time.monotonic() < deadline, "decode streams did not start"
-                    await asyncio.sleep(0.05)
+                await wait_until_async(
+                    lambda: min(len(t) for t in decode_times) >= 3, 60, "every stream decoding"
+                )
                 sent = time.perf_counter()
                 long_ids, long_times = await _complete(session, servers["ours"], _prompt(20, 900), 4, strict)
                 assert len(long_ids) == 4
-                deadline = time.monotonic() + 60
-                while any(t[-1] <= long_times[0] for t in decode_times):  # each decodes past the prefill
+
+                def past_the_prefill() -> bool:
                     assert not any(d.done() for d in decodes), "a decode stream ended before the prefill did"
-                    assert time.monotonic() < deadline, "decode streams stopped after the long prompt"
-                    await asyncio.sleep(0.05)
+                    return all(t[-1] > long_times[0] for t in decode_times)
+
+                await wait_until_async(past_the_prefill, 60, "each stream decoding past the long prefill")
             finally:
                 for d in decodes:
                     d.cancel()

@@ -21,16 +21,11 @@ from typing import Any
 
 import pytest
 
-from integration_tests.pd_checks import (
-    Transfers,
-    blocks_idle,
-    blocks_to_load,
-    decode_hit_after_seen,
-    wait_until,
-)
+from integration_tests.pd_checks import Transfers, blocks_idle, blocks_to_load, decode_hit_after_seen
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer, free_ports
+from tests.polling import wait_until
 
 MAX_MODEL_LEN = 1024
 SECRET = "tp-secret"

@@ -25,17 +25,11 @@ from typing import Any
 
 import pytest
 
-from integration_tests.pd_checks import (
-    BLOCK_TOKENS,
-    Transfers,
-    blocks_idle,
-    blocks_to_load,
-    metric,
-    wait_until,
-)
+from integration_tests.pd_checks import BLOCK_TOKENS, Transfers, blocks_idle, blocks_to_load, metric
 from pd_disagg import pd_client
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
+from tests.polling import wait_until
 
 MAX_MODEL_LEN = 1024
 THRESHOLD = 64

@@ -1,10 +1,14 @@
-"""Wait for a condition in a unit test instead of sleeping a guessed time: ``wait_until`` and its async twin.
+"""Wait for a condition in a test instead of sleeping a guessed time: ``wait_until`` and its async twin.
 
 A fixed sleep is either too short on a loaded machine (the test flakes) or too long everywhere (the suite
 crawls); polling a condition with a deadline is neither. Threads and subprocesses (transports, transfer
-engines) are waited for with ``wait_until``; code on the test's own event loop (the router and its fake
-engines) with ``wait_until_async``, which yields to the loop between polls and may poll an async predicate.
-Integration tests have their own, slower-polling helper (``integration_tests/pd_checks.wait_until``).
+engines) and real servers (the integration tests poll their /metrics) are waited for with ``wait_until``;
+code on the test's own event loop (the router and its fake engines) with ``wait_until_async``, which yields
+to the loop between polls and may poll an async predicate.
+
+The pause between polls starts at ``POLL_S`` and doubles up to ``MAX_POLL_S``: a condition met within
+milliseconds (an in-process transfer) is seen within milliseconds, and one that takes seconds (a server
+freeing its blocks, read over HTTP) is not polled hundreds of times a second on cores the servers need.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 POLL_S = 0.005
+MAX_POLL_S = 0.1
 
 
 class _Deadline:
@@ -24,6 +29,12 @@ class _Deadline:
         self.start = time.monotonic()
         self.timeout_s = timeout_s
         self.what = what
+        self.pause = POLL_S / 2
+
+    def pause_s(self) -> float:
+        """How long to sleep before the next poll: doubling from ``POLL_S``, at most ``MAX_POLL_S``."""
+        self.pause = min(MAX_POLL_S, self.pause * 2)
+        return self.pause
 
     def took(self, met: bool) -> float | None:
         """Seconds since the start when ``met``, None to poll again; raises AssertionError once past due."""
@@ -39,7 +50,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str
     """Poll ``predicate`` from this thread until it is true; return the seconds it took."""
     deadline = _Deadline(timeout_s, what)
     while (took := deadline.took(predicate())) is None:
-        time.sleep(POLL_S)
+        time.sleep(deadline.pause_s())
     return took
 
 
@@ -54,5 +65,5 @@ async def wait_until_async(
 
     deadline = _Deadline(timeout_s, what)
     while (took := deadline.took(await met())) is None:
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(deadline.pause_s())
     return took

@@ -16,10 +16,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric, wait_until
+from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric
 from integration_tests.pd_connector.cluster import D_LOAD_TIMEOUT_S, LEASE_S, Cluster, body, token_ids, tokens
 from pd_connector import wire
 from pd_disagg import pd_client
+from tests.polling import wait_until
 
 
 def _abandon(url: str, path: str, payload: dict[str, Any], after_s: float) -> None:

@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from integration_tests.pd_checks import blocks_idle, blocks_to_load, decode_hit_after_seen, metric, wait_until
+from integration_tests.pd_checks import blocks_idle, blocks_to_load, decode_hit_after_seen, metric
 from integration_tests.pd_connector.cluster import PROMPT_LENGTHS, Cluster, body, token_ids, tokens
 from pd_disagg import pd_client
+from tests.polling import wait_until
 
 
 def test_disaggregated_equals_colocated(pd: Cluster) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric, wait_until
+from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric
 from integration_tests.pd_connector.cluster import (
     D_LOAD_TIMEOUT_S,
     LEASE_S,
@@ -28,6 +28,7 @@ from integration_tests.pd_connector.cluster import (
 )
 from pd_connector import wire
 from pd_disagg import pd_client
+from tests.polling import wait_until
 
 
 def _connections_to(port: int) -> int:

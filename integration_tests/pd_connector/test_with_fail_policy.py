@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 
-from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric, wait_until
+from integration_tests.pd_checks import FAILURES, blocks_idle, blocks_to_load, metric
 from integration_tests.pd_connector.cluster import (
     D_LOAD_TIMEOUT_S,
     LEASE_S,
@@ -24,6 +24,7 @@ from integration_tests.pd_connector.cluster import (
     tokens,
 )
 from pd_disagg import pd_client
+from tests.polling import wait_until
 
 #: What vLLM 0.32 returns for a request finished with FinishReason.ERROR (GenerationError): no tokens.
 VLLM_GENERATION_ERROR = {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -13,6 +12,7 @@ from pd_connector.layout import KVLayout
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import Transport
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
+from tests.polling import wait_until
 
 #: Scheduling slack added to every "ends within its timeout" bound: the machine is shared and loaded.
 SLACK_S = 2.0
@@ -89,17 +89,17 @@ def closing(*engines: TransferEngine) -> Iterator[None]:
 
 
 def wait_results(engine: TransferEngine, ids: set[str], timeout_s: float = 10.0) -> dict[str, TransferResult]:
-    """Poll until every id in ``ids`` was reported; fail the test on timeout."""
+    """Poll until every id in ``ids`` was reported, each once; fail the test on timeout."""
     got: dict[str, TransferResult] = {}
-    deadline = time.monotonic() + timeout_s
-    while set(got) != ids:
+
+    def all_reported() -> bool:
         for r in engine.poll():
             assert r.transfer_id in ids, f"unexpected result {r}"
             assert r.transfer_id not in got, f"reported twice: {r}"
             got[r.transfer_id] = r
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {ids - set(got)}; got {got}")
-        time.sleep(0.005)
+        return set(got) == ids
+
+    wait_until(all_reported, timeout_s, f"results for {sorted(ids)}")
     return got
 
 

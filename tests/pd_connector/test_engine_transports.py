@@ -27,6 +27,7 @@ from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.ucx import UcxConfig
 from tests.pd_connector.engine_peer import FAST, token_digest
 from tests.pd_connector.engines import SLACK_S, SMALL, KVCache, addr, assert_no_state, wait_results
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSPORTS = {
@@ -161,10 +162,8 @@ def test_decode_killed_mid_transfer_releases_prefill(transport_kind: tuple[str, 
         peer.send("expect", transfer_id="k", prefill_addr=addr(p), dst_blocks=[1, 2, 3], num_tokens=12)
         p.offer("k", [4, 5, 6])
         p.push_layer("k", 0)
-        deadline = time.monotonic() + 20
-        while p.counters().layer_writes < 1:  # layer 0 landed in the peer's memory: mid-transfer
-            assert time.monotonic() < deadline, "layer 0 never landed"
-            time.sleep(0.01)
+        # Layer 0 landed in the peer's memory: mid-transfer.
+        wait_until(lambda: p.counters().layer_writes >= 1, 20, "layer 0 landing")
         peer.kill()
         t0 = time.monotonic()
         r = wait_results(p, {"k"}, timeout_s=15)["k"]
@@ -186,10 +185,7 @@ def test_prefill_killed_mid_transfer_fails_decode(transport_kind: tuple[str, str
         d.expect("k", peer.address, [1, 2, 3], 12, timeout_s=60)
         peer.send("offer", transfer_id="k", src_blocks=[4, 5, 6])
         peer.send("push_layer", transfer_id="k", layer=0)
-        deadline = time.monotonic() + 20
-        while d.state("k") is not TransferState.TRANSFERRING:
-            assert time.monotonic() < deadline, "layer 0 never arrived"
-            time.sleep(0.01)
+        wait_until(lambda: d.state("k") is TransferState.TRANSFERRING, 20, "layer 0 arriving")
         peer.kill()
         t0 = time.monotonic()
         r = wait_results(d, {"k"}, timeout_s=15)["k"]
