@@ -38,9 +38,8 @@ import statistics
 import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,6 +60,7 @@ from pd_connector.transport.coalesce import coalesce_runs
 from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.regions import RegionIndex, RegionTable, plan
 from pd_connector.transport.ucx import UcxConfig
+from test_support.spinner import python_spinner
 
 #: The environment before anything imported ucxx, which sets UCX_RNDV_FRAG_MEM_TYPE=cuda and UCX_RNDV_THRESH
 #: in os.environ at import: child processes (receivers, the NIXL sender) must not inherit those.
@@ -471,25 +471,6 @@ def make_path(name: str, memory: Memory, huge: bool) -> Path:
 
 def _huge_arg(huge: bool) -> list[str]:
     return [] if huge else ["--no-huge-pages"]
-
-
-@contextlib.contextmanager
-def python_spinner() -> Iterator[None]:
-    """A thread of this process running Python (``x += 1`` in a loop) until the block ends."""
-    stop = threading.Event()
-
-    def spin() -> None:
-        x = 0
-        while not stop.is_set():
-            x += 1
-
-    thread = threading.Thread(target=spin, name="python-spinner")
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def drive(name: str, huge: bool) -> None:

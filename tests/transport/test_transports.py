@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.transport import python_spinner
 from pd_connector.transport.base import BlockCopy, Transport
+from test_support.spinner import python_spinner
 from tests.polling import wait_until
 
 from .conftest import TRANSPORT_IDS, TRANSPORTS, PeerProcess, build, local_regions
