@@ -129,17 +129,34 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"KVLayout.strides {self.strides} must be 4 non-negative (block, token, head, kv)"
             )
-        sb, st, sh, sk = self.strides
-        axes = [(st, self.block_tokens), (sh, self.num_kv_heads), (sk, self.kv_in_buffer)]
+        sb = self.strides[0]
         extent = 1
-        for stride, size in sorted((a for a in axes if a[1] > 1), key=lambda a: a[0]):
+        for stride, size in self._in_block_axes():
             if stride < extent:
                 raise ValueError(f"KVLayout.strides {self.strides} make vectors of one block overlap")
             extent = stride * size
         if sb < extent:
             raise ValueError(f"KVLayout.strides {self.strides}: blocks of {extent} vectors overlap")
+        _, st, sh, _ = self.strides
         if self.num_kv_heads > 1 and self.block_tokens > 1 and (st > sh) != self.token_major:
             raise ValueError(f"KVLayout.strides {self.strides} contradict token_major={self.token_major}")
+
+    def _in_block_axes(self) -> list[tuple[int, int]]:
+        """``(stride, size)`` of the token, head and K/V axes that have more than one entry, by stride."""
+        _, st, sh, sk = self.vector_strides
+        axes = [(st, self.block_tokens), (sh, self.num_kv_heads), (sk, self.kv_in_buffer)]
+        return sorted((a for a in axes if a[1] > 1), key=lambda a: a[0])
+
+    @property
+    def block_extent(self) -> int:
+        """Vectors one block occupies from its first vector, holes inside included, padding between blocks
+        excluded: the block stride of a dense copy of the cache (``staging``'s host slots)."""
+        return max([1, *(stride * size for stride, size in self._in_block_axes())])
+
+    @property
+    def block_span(self) -> int:
+        """Vectors from a block's first vector to its last, inclusive: what a copy of one block must cover."""
+        return 1 + sum(stride * (size - 1) for stride, size in self._in_block_axes())
 
     @property
     def model_kv_heads(self) -> int:
@@ -373,7 +390,7 @@ class BlockMapping:
         if per_block:
             src_b = np.asarray(src_blocks[start // ps : end // ps], np.int64)
             dst_b = np.asarray(dst_blocks[start // ps : end // ps], np.int64)
-            return [(s * per_block, t * per_block, n * per_block) for s, t, n in _merged_runs(src_b, dst_b)]
+            return [(s * per_block, t * per_block, n * per_block) for s, t, n in merged_runs(src_b, dst_b)]
         return self.vector_runs(src_blocks, dst_blocks, start, end, sl)
 
     def vector_runs(
@@ -383,7 +400,7 @@ class BlockMapping:
         tokens = np.arange(start, end, dtype=np.int64)
         src = _vectors(self.prefill, np.asarray(src_blocks, np.int64), tokens, sl.src_head, sl.num_heads)
         dst = _vectors(self.decode, np.asarray(dst_blocks, np.int64), tokens, sl.dst_head, sl.num_heads)
-        return _merged_runs(src, dst)
+        return merged_runs(src, dst)
 
     def _whole_block_vectors(self, sl: HeadSlice, start: int, end: int) -> int:
         """Vectors per block when the range moves whole blocks that P and D lay out alike and densely (a block
@@ -421,7 +438,7 @@ class BlockMapping:
         return self.layer_copies(layer, self.runs(src_blocks, dst_blocks, start_token, end_token, heads))
 
 
-def _merged_runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
+def merged_runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
     """``(src, dst, count)`` runs of the pairs ``src[i] -> dst[i]``, sorted by source, neighbours on both sides
     merged; ``ValueError`` when a destination repeats (it would be written twice)."""
     order = np.argsort(src, kind="stable")

@@ -42,9 +42,15 @@ class PDConnectorConfig(ConnectorSettings):
     #: D: how long a request may wait for its KV before ``kv_load_failure_policy`` applies.
     load_timeout_s: float = 30.0
     #: Both: how the KV cache reaches the transport. "auto": registered as it is where the transport reaches its
-    #: memory (host; CUDA with UCX), staged through pinned host mirrors where not (CUDA with tcp or cma).
-    #: "always": staged even then (to compare, or to keep device memory away from UCX).
+    #: memory (host; CUDA with UCX), staged through a pool of pinned host slots where not (CUDA with tcp or
+    #: cma). "always": staged even then (to compare, or to keep device memory away from UCX).
     kv_staging: Literal["auto", "always"] = "auto"
+    #: Both, when staging: host memory of the staging pool per worker, in MiB (a slot holds one block of every
+    #: layer; transfers borrow slots while they run). 0: one slot per cache block (as large as the cache).
+    kv_staging_pool_mib: int = 1024
+    #: Both, when staging: how long a transfer waits for free slots before it fails (P: the step waits; D: the
+    #: load is started later, then fails to ``kv_load_failure_policy``).
+    kv_staging_wait_s: float = 10.0
     #: EngineCore and workers, on steps that compute nothing (transfers pending): how long vLLM's
     #: shared-memory queue readers spin after a message before they sleep until notified (vLLM's own: 1 s).
     #: Short, so an engine waiting for KV does not spin a core.
@@ -63,6 +69,10 @@ class PDConnectorConfig(ConnectorSettings):
             raise SettingError("side_channel_port", f"out of range: {self.side_channel_port}")
         if self.kv_staging not in ("auto", "always"):
             raise SettingError("kv_staging", f"must be 'auto' or 'always', got {self.kv_staging!r}")
+        if self.kv_staging_pool_mib < 0:
+            raise SettingError("kv_staging_pool_mib", f"must be >= 0 MiB, got {self.kv_staging_pool_mib}")
+        if self.kv_staging_wait_s < 0:
+            raise SettingError("kv_staging_wait_s", f"must be >= 0 s, got {self.kv_staging_wait_s}")
         if not 0 <= self.idle_spin_s <= 1:
             raise SettingError("idle_spin_s", f"must be 0-1 s, got {self.idle_spin_s}")
 

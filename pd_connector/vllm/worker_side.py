@@ -8,6 +8,12 @@ in docs/architecture.md). Every engine call returns at once; bytes move on the e
   transfer: ``Done`` carries that token to D.
 - D (consumer): ``start_load_kv`` expects each request the scheduler parked in WAITING_FOR_REMOTE_KVS
   (vLLM calls it after the forward pass: nothing in D's forward waits on these loads).
+When the cache is staged (``pd_connector.staging``: a device cache behind tcp or cma, or ``kv_staging =
+always``), the engine sees slot ids of a bounded host pool instead of block ids: P reserves slots when it
+offers a table (waiting at most ``kv_staging_wait_s`` while transfers end, then aborting that transfer) and
+copies each pushed layer into them; D reserves slots before it expects a load (a load that finds none waits
+in a queue, started as slots free up or failed after ``kv_staging_wait_s``) and copies a load that ended
+well out of them. Every transfer returns its slots when the engine reports its end.
 ``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids, and
 ``first_tokens`` hands the tokens of D's finished loads to the scheduler side (first-token seeding). A P
 transfer that ended is reported to vLLM only once its request also finished in P's scheduler (vLLM frees
@@ -17,21 +23,22 @@ blocks of finished requests only); one that ended early (D gone) is no longer fe
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from pd_connector.layout import sends_heads
 from pd_connector.metrics import reported_stages
-from pd_connector.staging import HostStaging, byte_views, plan
+from pd_connector.staging import StagingPool, byte_views, plan, pool_slots
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import HOST
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.compat import TPRank, kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
-from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata, SendSpec
+from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
 #: Longest pause of an idle engine step while transfers are pending (bounds the spin); the step goes on at
@@ -43,16 +50,30 @@ logger = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
+class _Held:
+    """P: what a push waiting for staging slots did meanwhile, replayed from the device cache (which keeps
+    the request's blocks until vLLM is told the push ended) once the slots come."""
+
+    deadline: float
+    block_ids: list[int]  # the latest table offered
+    pushes: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, first, end) table positions
+    finished: tuple[int | None] | None = None  # (first token,) once P's scheduler finished the request
+
+
+@dataclass
 class _Push:
     """P: one request this rank pushes, from its first offer until vLLM was told it ended."""
 
     transfer_id: str
     ended: TransferResult | None = None  # the engine's result: no more pushes
     report: bool | None = None  # P's scheduler finished the request: tell vLLM (True) or not (False)
+    offered: bool = False  # the engine knows the transfer (it ends and reports only those)
+    aborted: bool = False  # abort sent (P's scheduler aborted it, or no staging slots came)
+    held: _Held | None = None  # waiting for staging slots
 
     @property
     def live(self) -> bool:
-        return self.ended is None and self.report is None
+        return self.ended is None and self.report is None and not self.aborted
 
 
 @dataclass
@@ -100,18 +121,21 @@ class WorkerSide:
         # last ``take_failed_blocks`` (for vLLM builds that learn failures as block ids).
         self._loads: dict[str, _Load] = {}
         self._loading: dict[str, str] = {}
+        self._queued: dict[str, tuple[RecvSpec, float]] = {}  # loads waiting for staging slots, deadline
         self._unstarted: list[str] = []
+        self._dropped: list[str] = []  # queued loads D aborted: finished, not failed
         self._failed_blocks: set[int] = set()
         self._first_tokens: dict[str, int] = {}  # D: P's first token of loads finished, until reported
         self._trace = TraceWriter(config.trace_path) if config.trace_path else None
-        self._staging: HostStaging | None = None  # a device cache behind a host-only transport
+        self._staging: StagingPool | None = None  # a device cache behind a host-only transport
+        self._ended: list[TransferResult] = []  # collected from the engine, not yet reported to vLLM
 
     # ---- start-up ----
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Describe the cache (host or CUDA, any of vLLM's layouts, MLA's latent) and hand it to a transfer
         engine: as it is when the transport reaches its memory (host; CUDA with UCX), else through pinned
-        host mirrors (``staging``: a CUDA cache with tcp or cma)."""
+        a bounded pool of pinned host slots (``staging``: a CUDA cache with tcp or cma)."""
         kv = kv_layout(kv_caches, self._num_blocks, self._tp)
         layout, buffers, memory = kv.layout, kv.buffers, kv.memory
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
@@ -119,8 +143,9 @@ class WorkerSide:
         transport = create_transport(self._config.transport_config())
         path = "staged" if self._config.kv_staging == "always" else plan(kv.memory, transport.memory_types)
         if path == "staged":
-            self._staging = HostStaging(layout, byte_views(list(kv_caches.values()), kv.buffers))
-            buffers, memory = self._staging.host_buffers(), HOST
+            slots = pool_slots(layout, self._num_blocks, self._config.kv_staging_pool_mib)
+            self._staging = StagingPool(layout, byte_views(list(kv_caches.values()), kv.buffers), slots)
+            layout, buffers, memory = self._staging.layout, self._staging.host_buffers(), HOST
         self._engine = TransferEngine(
             self._config.transfer_config(self._engine_id, listen=self._producer, tp_rank=self._tp.rank),
             layout,
@@ -129,11 +154,12 @@ class WorkerSide:
             memory,
         )
         logger.info(
-            "PDConnector worker: %s, data plane %s (%s %s memory), side channel %s, layout %s%s",
+            "PDConnector worker: %s, data plane %s (%s %s memory%s), side channel %s, layout %s%s",
             " and ".join(r for r, on in (("producer", self._producer), ("consumer", self._consumer)) if on),
             transport.name,
             path,
             kv.memory,
+            "" if self._staging is None else f", {self._staging.table.capacity} staging slots",
             self._engine.address,
             layout,
             "" if self._sends or not self._producer else " (its heads are sent by a lower TP rank)",
@@ -162,23 +188,46 @@ class WorkerSide:
         finished request at once: vLLM frees the blocks once every rank reported it."""
         if not self._producer:
             return
+        self._drain()
+        self._release_held()  # pushes waiting for slots go before this step's new ones
         for spec in meta.sends:
             if self._sends and self._live(spec):
-                self._pushes.setdefault(spec.req_id, _Push(spec.transfer_id))
-                self._pushing[spec.transfer_id] = spec.req_id
-                self._eng.offer(spec.transfer_id, spec.block_ids, spec.prompt_hash)
+                self._offer(spec)
         for finished in meta.finished_sends:
             push = self._pushes.get(finished.req_id)
             if push is None:
                 # Never offered (no step ran for it, or this rank sends nothing): nothing to wait for.
                 push = self._pushes[finished.req_id] = _Push("", _never_offered(finished.req_id))
             elif push.ended is None and not finished.ok:
-                self._eng.abort(push.transfer_id, "request aborted on the prefill side")
-            elif push.ended is None:
+                self._abort_push(push, b"", "request aborted on the prefill side", warn=False)
+            elif push.held is not None:
+                push.held.finished = (finished.first_token,)
+            elif push.ended is None and not push.aborted:
                 # Every push of the prompt was issued by earlier steps (a finished request is not
                 # scheduled again): Done follows once they landed, with the token D may continue from.
                 self._eng.finish(push.transfer_id, finished.first_token)
             push.report = finished.report
+
+    def _offer(self, spec: SendSpec) -> None:
+        """Offer ``spec``'s block table (staged: the slots standing for it). Without free slots the push is
+        held (``_Held``) and offered with no blocks yet, so D's destinations wait for it at P's engine."""
+        push = self._pushes.setdefault(spec.req_id, _Push(spec.transfer_id))
+        self._pushing[spec.transfer_id] = spec.req_id
+        if push.held is not None:  # still waiting: the table grew
+            push.held.block_ids = list(spec.block_ids)
+            return
+        try:
+            table = self._reserve(_owner("send", spec.transfer_id), spec.block_ids)
+        except ValueError as exc:  # PoolTooSmall, or a table naming a block twice
+            self._abort_push(push, spec.prompt_hash, str(exc))
+            return
+        if table is None:
+            push.held = _Held(time.monotonic() + self._config.kv_staging_wait_s, list(spec.block_ids))
+        if not push.offered:
+            self._eng.offer(spec.transfer_id, table or [], spec.prompt_hash)
+            push.offered = True
+        elif table is not None:
+            self._eng.offer(spec.transfer_id, table)
 
     def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._sends or not meta.sends:
@@ -191,9 +240,57 @@ class WorkerSide:
             end = -(-spec.end_token // self._block_size)
             if spec.corrupt and self._tp.rank == self._tp.size - 1:  # one rank: every rank's bytes must count
                 kv_layer[spec.block_ids[first:end]] = 0
-            if self._staging is not None:  # the transport reads the host mirror: fill it first
-                self._staging.to_host(layer, spec.block_ids[first:end])
-            self._eng.push_layer(spec.transfer_id, layer, first, end)
+            held = self._pushes[spec.req_id].held
+            if held is not None:
+                held.pushes.append((layer, first, end))
+            else:
+                self._push(spec.transfer_id, spec.block_ids, layer, first, end)
+
+    def _push(self, transfer_id: str, block_ids: Sequence[int], layer: int, first: int, end: int) -> None:
+        """Push ``layer``'s table positions ``[first, end)``; staged, copy them into their slots first (the
+        transport reads the slots)."""
+        if self._staging is not None:
+            self._staging.to_slots(_owner("send", transfer_id), layer, block_ids[first:end])
+        self._eng.push_layer(transfer_id, layer, first, end)
+
+    def _release_held(self) -> None:
+        """Give the pushes waiting for staging slots their slots, in order while they suffice, and replay
+        what they missed; one still without slots after ``kv_staging_wait_s`` is aborted (D's load fails and
+        falls back), never left waiting. Pushes behind one that waits wait too (first come, first served)."""
+        now, blocked = time.monotonic(), False
+        for push, held in [(p, p.held) for p in self._pushes.values() if p.held is not None]:
+            if push.ended is not None:  # ended while it waited (lease): nothing to replay
+                push.held = None
+                continue
+            try:
+                table = None if blocked else self._reserve(_owner("send", push.transfer_id), held.block_ids)
+            except ValueError as exc:  # the table grew past the pool while it waited
+                self._abort_push(push, b"", str(exc))
+                continue
+            if table is None:
+                blocked = True
+                if now >= held.deadline:
+                    wait_s = self._config.kv_staging_wait_s
+                    self._abort_push(push, b"", f"no free staging slot within {wait_s} s")
+                continue
+            push.held = None
+            self._eng.offer(push.transfer_id, table)
+            for layer, first, end in held.pushes:
+                self._push(push.transfer_id, held.block_ids, layer, first, end)
+            if held.finished is not None:
+                self._eng.finish(push.transfer_id, held.finished[0])
+
+    def _abort_push(self, push: _Push, prompt_hash: bytes, reason: str, warn: bool = True) -> None:
+        """Abort ``push``'s transfer; the engine reports its end (offering it first if it never was)."""
+        if push.aborted:
+            return
+        if warn:
+            logger.warning("PDConnector: push of %s aborted: %s", push.transfer_id, reason)
+        if not push.offered:
+            self._eng.offer(push.transfer_id, [], prompt_hash)
+            push.offered = True
+        push.aborted, push.held = True, None
+        self._eng.abort(push.transfer_id, reason)
 
     # ---- D ----
 
@@ -209,26 +306,83 @@ class WorkerSide:
                 self._stats.failure()
                 self._unstarted.append(spec.req_id)
                 continue
+            self._queued[spec.req_id] = (spec, time.monotonic() + self._config.kv_staging_wait_s)
+        self._start_queued()
+        for req_id in meta.aborted_recvs:
+            if self._queued.pop(req_id, None) is not None:  # never started: nothing to abort
+                self._dropped.append(req_id)
+                continue
+            load = self._loads.get(req_id)
+            if load is not None and load.transfer_id in self._loading:
+                load.aborted = True
+                self._eng.abort(load.transfer_id, "request aborted on the decode side")
+
+    def _start_queued(self) -> None:
+        """Start the queued loads in order while slots suffice (direct: all at once); a load that cannot get
+        slots within ``kv_staging_wait_s``, or ever (more than the pool), fails and never hangs. Loads behind
+        one that waits wait too (first come, first served: a large load is not starved by small ones)."""
+        now, blocked = time.monotonic(), False
+        for req_id, (spec, deadline) in list(self._queued.items()):
+            table: list[int] | None = None
+            try:
+                table = None if blocked else self._reserve(_owner("recv", spec.transfer_id), spec.block_ids)
+            except ValueError as exc:  # PoolTooSmall, or a table naming a block twice
+                self._fail_unstarted(req_id, str(exc))
+                continue
+            if table is None:
+                blocked = True
+                if now >= deadline:
+                    self._fail_unstarted(
+                        req_id, f"no free staging slot within {self._config.kv_staging_wait_s} s"
+                    )
+                continue
+            del self._queued[req_id]
             try:
                 self._eng.expect(
                     spec.transfer_id,
                     spec.prefill_addr,
-                    spec.block_ids,
+                    table,
                     spec.num_tokens,
                     start_token=spec.start_block * self._block_size,
                     prompt_hash=spec.prompt_hash,
                 )
             except ValueError as exc:
-                logger.warning("PDConnector: cannot load %s: %s", spec.transfer_id, exc)
-                self._stats.failure()
-                self._unstarted.append(spec.req_id)
+                self._release(_owner("recv", spec.transfer_id))
+                self._fail_unstarted(req_id, str(exc))
                 continue
-            self._loading[spec.transfer_id] = spec.req_id
-        for req_id in meta.aborted_recvs:
-            load = self._loads.get(req_id)
-            if load is not None and load.transfer_id in self._loading:
-                load.aborted = True
-                self._eng.abort(load.transfer_id, "request aborted on the decode side")
+            self._loading[spec.transfer_id] = req_id
+
+    def _fail_unstarted(self, req_id: str, reason: str) -> None:
+        """A load that never reached the engine: reported failed at the next ``transfer_results``."""
+        self._queued.pop(req_id, None)
+        logger.warning("PDConnector: cannot load %s: %s", self._loads[req_id].transfer_id, reason)
+        self._stats.failure()
+        self._unstarted.append(req_id)
+
+    # ---- staging ----
+
+    def _reserve(self, owner: str, blocks: Sequence[int]) -> list[int] | None:
+        """The table the engine gets for ``blocks``: the blocks themselves (direct), or the staging slots that
+        stand for them; None when too few slots are free now (raises ``PoolTooSmall``: never enough)."""
+        return list(blocks) if self._staging is None else self._staging.reserve(owner, blocks)
+
+    def _release(self, owner: str) -> None:
+        if self._staging is not None:
+            self._staging.release(owner)
+
+    def _drain(self) -> None:
+        """Collect the transfers that ended from the engine. A staged one returns its slots here, a load that
+        ended well first copied out of them (before it is reported, so before vLLM reads the blocks)."""
+        if self._engine is None:
+            return
+        for result in self._engine.poll():
+            owner = _owner(result.role, result.transfer_id)
+            if self._staging is not None and result.role == "recv" and result.state is TransferState.DONE:
+                req_id = self._loading.get(result.transfer_id)
+                if req_id is not None:
+                    self._staging.from_slots(owner, self._loads[req_id].blocks)
+            self._release(owner)
+            self._ended.append(result)
 
     # ---- both ----
 
@@ -242,38 +396,42 @@ class WorkerSide:
         prefill on the other core. On such idle steps the worker waits for a transfer to end, at most
         ``IDLE_STEP_PAUSE_S``.
         """
-        if meta is not None and meta.idle_step and (self._loading or self._pushing) and self._engine:
+        pending = self._loading or self._pushing or self._queued
+        if meta is not None and meta.idle_step and pending and self._engine:
             self._engine.wait(IDLE_STEP_PAUSE_S)
-        recving: set[str] = set(self._unstarted)
+        self._drain()
+        # Slots the ended transfers freed go to the transfers waiting for them.
+        self._release_held()
+        self._start_queued()
+        recving: set[str] = set(self._unstarted) | set(self._dropped)
         failed: set[str] = set(self._unstarted)
         self._unstarted.clear()
-        if self._engine is not None:
-            for result in self._engine.poll():
-                if result.role == "send":
-                    req_id = self._pushing.pop(result.transfer_id, None)
-                    self._record(result, req_id)
-                    if req_id is not None:
-                        self._pushes[req_id].ended = result
-                else:
-                    req_id = self._loading.pop(result.transfer_id, None)
-                    self._record(result, req_id)
-                    if req_id is None:
-                        continue
-                    recving.add(req_id)
-                    if self._staging is not None and result.state is TransferState.DONE:
-                        self._staging.to_device(self._loads[req_id].blocks)  # before vLLM reads them
-                    if result.first_token is not None:
-                        self._first_tokens[req_id] = result.first_token
-                    # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
-                    # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
-                    if result.state is not TransferState.DONE and not self._loads[req_id].aborted:
-                        logger.warning(
-                            "PDConnector: load of %s %s: %s",
-                            result.transfer_id,
-                            result.state.value,
-                            result.reason,
-                        )
-                        failed.add(req_id)
+        self._dropped.clear()
+        ended, self._ended = self._ended, []
+        for result in ended:
+            if result.role == "send":
+                req_id = self._pushing.pop(result.transfer_id, None)
+                self._record(result, req_id)
+                if req_id is not None:
+                    self._pushes[req_id].ended = result
+            else:
+                req_id = self._loading.pop(result.transfer_id, None)
+                self._record(result, req_id)
+                if req_id is None:
+                    continue
+                recving.add(req_id)
+                if result.first_token is not None:
+                    self._first_tokens[req_id] = result.first_token
+                # Anything but DONE leaves the blocks without (all of) the KV: unless D itself aborted
+                # the request, vLLM must apply kv_load_failure_policy (P aborting counts as a failure).
+                if result.state is not TransferState.DONE and not self._loads[req_id].aborted:
+                    logger.warning(
+                        "PDConnector: load of %s %s: %s",
+                        result.transfer_id,
+                        result.state.value,
+                        result.reason,
+                    )
+                    failed.add(req_id)
         for req_id in recving:
             load = self._loads.pop(req_id, None)
             if req_id in failed and load is not None:
@@ -326,6 +484,11 @@ class WorkerSide:
             self._engine.close()
         if self._trace is not None:
             self._trace.close()
+
+
+def _owner(role: str, transfer_id: str) -> str:
+    """The staging owner of one side of a transfer (a kv_both worker may run both sides of one id)."""
+    return f"{role}:{transfer_id}"
 
 
 def _never_offered(req_id: str) -> TransferResult:

@@ -329,3 +329,87 @@ def test_an_idle_step_ends_as_soon_as_a_load_finishes(
     pusher.join()
     assert recving == {"d1"} and failed == set()
     assert 0.2 < waited < 10, f"the idle step took {waited:.2f} s"
+
+
+def staged(**kw: object) -> tuple[PDConnectorConfig, PDConnectorConfig]:
+    """P and D configs staging through a 1 MiB pool: 10 slots of 96 KiB (3 layers of a 32 KiB block each)."""
+    common: dict[str, object] = {"kv_staging": "always", "kv_staging_pool_mib": 1, **kw}
+    return (
+        PDConnectorConfig(**{"lease_s": 5, **common}),  # type: ignore[arg-type]
+        PDConnectorConfig(**{"load_timeout_s": 5, **common}),  # type: ignore[arg-type]
+    )
+
+
+def free_slots(worker: WorkerSide) -> int:
+    assert worker._staging is not None
+    return worker._staging.table.free
+
+
+# Three requests of 4 blocks (120 tokens) each: 12 blocks, more than the pool's 10 slots on either side.
+P_TABLES = {f"p{i}": [4 * i + 3, 4 * i + 2, 4 * i + 1, 4 * i] for i in range(3)}
+D_TABLES = {"d0": [15, 5, 12, 3], "d1": [11, 6, 8, 2], "d2": [7, 13, 4, 1]}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "cma", "ucx"])
+def test_staged_transfers_larger_than_the_pool_take_turns_and_land_every_byte(
+    make_pair: Callable[..., Pair], transport: str
+) -> None:
+    """The staged path through every transport with a pool smaller than the transfers in flight: the third
+    request waits on both sides (P holds its pushes back, D queues its load) until the first two return their
+    slots, then reuses them; every block lands, nothing fails, every slot comes back."""
+    pair = make_pair(*staged(transport=transport))
+    assert free_slots(pair.p) == free_slots(pair.d) == 10
+    pair.d_step([RecvSpec(f"d{i}", f"T{i}", pair.addr, D_TABLES[f"d{i}"], 0, 120) for i in range(3)])
+    pair.p_step([SendSpec(f"p{i}", f"T{i}", P_TABLES[f"p{i}"], 0, 120, 120) for i in range(3)])
+    assert free_slots(pair.p) == free_slots(pair.d) == 2, "the third request waits on both sides"
+    pair.p_step([], [FinishedSend(f"p{i}", ok=True, report=True, first_token=i) for i in range(3)])
+    pair.wait(lambda: len(pair.recv) == 3 and len(pair.sent) == 3)
+    assert pair.failed == set()
+    for i in range(3):
+        assert equal(pair, P_TABLES[f"p{i}"], D_TABLES[f"d{i}"]), f"request {i}"
+    assert free_slots(pair.p) == free_slots(pair.d) == 10, "every slot came back"
+    stats = pair.p.stats()
+    block_bytes = 2 * BS * 128 * 4
+    assert stats is not None and stats.data["bytes_sent"] == 3 * LAYERS * 4 * block_bytes
+    tokens = pair.d.first_tokens()
+    assert tokens is not None and tokens.tokens == {"d0": 0, "d1": 1, "d2": 2}
+
+
+def test_staging_slots_come_back_when_transfers_fail_abort_or_expire(make_pair: Callable[..., Pair]) -> None:
+    """Every end returns a transfer's slots: D's load timeout, P's lease expiry, P's abort, D's abort of a
+    started load and of one still queued (finished, not failed, never expected)."""
+    p_config, d_config = staged(lease_s=0.5, load_timeout_s=0.5, abort_grace_s=0.5)
+    pair = make_pair(p_config, d_config)
+    pair.d_step([RecvSpec("d0", "never-offered", pair.addr, [1, 2, 3, 4, 5, 6, 7, 8], 0, 250)])
+    pair.d_step([RecvSpec("d1", "aborted-by-d", pair.addr, [9], 0, 10)])
+    pair.d_step([RecvSpec("d2", "queued", pair.addr, [10, 11], 0, 40)])  # 1 slot left: queued
+    assert free_slots(pair.d) == 1
+    pair.d_step(aborted=["d1", "d2"])
+    pair.p_step([SendSpec("p0", "lease", [1, 2], 0, 40, 40), SendSpec("p1", "aborted-by-p", [3], 0, 10, 10)])
+    pair.p_step([], [FinishedSend("p0", ok=True, report=True), FinishedSend("p1", ok=False, report=True)])
+    pair.wait(lambda: pair.recv == {"d0", "d1", "d2"} and pair.sent == {"p0", "p1"})
+    assert pair.failed == {"d0"}, "the timed-out load failed; D's aborts are finished, not failed"
+    assert free_slots(pair.p) == free_slots(pair.d) == 10
+
+
+def test_a_transfer_without_slots_fails_clearly_and_falls_back(make_pair: Callable[..., Pair]) -> None:
+    """Back-pressure is bounded: a load or push that gets no slots within ``kv_staging_wait_s`` fails (D's
+    request then falls back as other failed loads do), and one needing more slots than the pool has fails at
+    once; neither waits forever nor is dropped silently, and the held slots all come back."""
+    p_config, d_config = staged(kv_staging_wait_s=0.3)
+    pair = make_pair(p_config, d_config)
+    pair.d_step([RecvSpec("d0", "holder", pair.addr, list(range(9)), 0, 280)])  # holds 9 of D's 10 slots
+    pair.d_step([RecvSpec("d1", "waits", pair.addr, [9, 10], 0, 40)])
+    pair.d_step([RecvSpec("d2", "too-big", pair.addr, list(range(11)), 0, 350)])
+    pair.wait(lambda: {"d1", "d2"} <= pair.recv)
+    assert pair.failed == {"d1", "d2"} and pair.d.take_failed_blocks() == set(range(11))
+    pair.p_step([SendSpec("p0", "holder", list(range(9)), 0, 280, 280)])  # D's load of it goes through
+    pair.p_step([SendSpec("p1", "held", [9, 10], 0, 40, 40)])  # waits for slots p0 holds, then aborts
+    pair.p_step([SendSpec("p2", "huge", list(range(11)), 0, 350, 350)])
+    pair.wait(lambda: {"p1", "p2"} <= set(pair.p._pushes) and pair.p._pushes["p1"].ended is not None)
+    pair.p_step([], [FinishedSend(f"p{i}", ok=True, report=True) for i in range(3)])
+    pair.wait(lambda: pair.sent == {"p0", "p1", "p2"} and "d0" in pair.recv)
+    assert pair.failed == {"d1", "d2"} and equal(pair, list(range(9)), list(range(9)))
+    stats = pair.p.stats()
+    assert stats is not None and stats.data["transfers_sent"] == 1
+    assert free_slots(pair.p) == free_slots(pair.d) == 10
