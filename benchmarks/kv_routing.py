@@ -1,11 +1,12 @@
 """KV-aware routing on real vLLM CPU servers, and what a routing decision costs the router.
 
-    python -m benchmarks.kv_routing [--model DIR] [--conversations 6] [--turns 4] [--agents 4] [--steps 4]
+    python -m benchmarks.kv_routing [--model DIR] [--prefills 1] [--conversations 6] [--turns 4] [--agents 4]
+                                    [--steps 4]
     python -m benchmarks.kv_routing --decision-only [--conversations 10000] [--decisions 5000]
 
-End to end (default): one prefill and two decode vLLM servers (PDConnector, tiny model unless ``--model``,
-block size 32, prefix caching on, P and D0 on core 0, D1 on core 1) behind three routers, measured one after
-the other on the same servers: ``ours`` (pd-router, KV-aware), ``ours_off`` (pd-router with
+End to end (default): ``--prefills`` prefill (one by default) and two decode vLLM servers (PDConnector, tiny
+model unless ``--model``, block size 32, prefix caching on; the prefills alternate between the cores, D0 on
+core 0, D1 on core 1) behind three routers, measured one after the other on the same servers: ``ours`` (pd-router, KV-aware), ``ours_off`` (pd-router with
 ``kv_routing.enabled = false``: power of two choices, disaggregation on whole prompts) and ``sglang`` (sglang-router
 0.3.2's ``cache_aware`` policy over the two decode servers in local mode, i.e. each prefills its requests
 itself). Two workloads per router, streamed chat requests, greedy, 16 tokens:
@@ -19,9 +20,12 @@ Every (router, workload) run has text of its own (seeded per run), so no run fin
 Per run: ``ttft_ms`` p50/p99 (client side, to the first content event), ``goodput_rps`` (requests per second
 of the run's wall time, all requests succeeded), and from the engines' own counters over the run:
 ``prefill_tokens_computed`` (``vllm:prompt_tokens_by_source_total{source="local_compute"}`` summed over the
-three servers: P's and D's) and ``prefix_hit_rate`` (their ``local_cache_hit`` tokens over all their prompt
-tokens). Only two cores serve three engines, a router and this client: TTFT here is dominated by CPU
-contention; the token counts are the robust figures.
+servers: P's and D's) and ``prefix_hit_rate`` (their ``local_cache_hit`` tokens over all their prompt
+tokens). Only two cores serve three or more engines, a router and this client: TTFT here is dominated by CPU
+contention; the token counts are the robust figures. With one P, a router that ignores prefixes loses
+little: that P's own prefix cache holds every conversation, so it computes only each turn's new tokens.
+With two, a turn sent to the P that did not see the conversation's last turn computes the whole history
+again: ``--prefills 2`` is the topology where knowing the prefixes should halve the tokens computed.
 
 Decision only (``--decision-only``): in one process, no servers: a ``Balancer`` with two decode and one prefill
 worker and KV-aware routing on (block size 16) is filled with ``--conversations`` chat histories (a 256-token
@@ -219,8 +223,8 @@ def _sources(urls: list[str]) -> dict[str, float]:
     }
 
 
-def _engines(model: Path, logs: Path) -> tuple[list[ManagedServer], str]:
-    side = free_port()
+def _engines(model: Path, logs: Path, prefills: int) -> tuple[list[ManagedServer], list[str]]:
+    """``prefills`` P (alternating between the cores) then two D; and each P's side-channel address."""
     common = {"kv_load_failure_policy": "recompute"}
 
     def engine(role: str, name: str, core: int, extra: dict[str, Any]) -> ManagedServer:
@@ -240,17 +244,17 @@ def _engines(model: Path, logs: Path) -> tuple[list[ManagedServer], str]:
             },
         )
 
-    p_addr = f"127.0.0.1:{side}"
+    sides = [free_port() for _ in range(prefills)]
+    p_addrs = [f"127.0.0.1:{side}" for side in sides]
     servers = [
-        engine("prefill", "kv-p", 0, {"side_channel_port": side}),
-        engine("decode", "kv-d0", 0, {"allowed_prefill_addrs": [p_addr]}),
-        engine("decode", "kv-d1", 1, {"allowed_prefill_addrs": [p_addr]}),
+        engine("prefill", f"kv-p{i}", i % 2, {"side_channel_port": side}) for i, side in enumerate(sides)
     ]
-    return servers, p_addr
+    servers += [engine("decode", f"kv-d{i}", i, {"allowed_prefill_addrs": p_addrs}) for i in range(2)]
+    return servers, p_addrs
 
 
 def _routers(
-    model: Path, logs: Path, tmp: Path, p: str, p_addr: str, ds: list[str]
+    model: Path, logs: Path, tmp: Path, ps: list[str], p_addrs: list[str], ds: list[str]
 ) -> dict[str, ManagedServer]:
     routers = {}
     for name, kv in (("ours", {"block_size": ENGINE_BLOCK}), ("ours_off", {"enabled": False})):
@@ -262,7 +266,7 @@ def _routers(
                 "policy": {"threshold_tokens": 256},
                 "kv_routing": kv,
             },
-            prefill=[{"url": p, "bootstrap": p_addr}],
+            prefill=[{"url": p, "bootstrap": a} for p, a in zip(ps, p_addrs, strict=True)],
             decode=[{"url": d} for d in ds],
         )
         routers[name] = router_server(config, log_dir=logs, port=free_port(), name=f"kv-{name}", cwd=ROOT)
@@ -291,7 +295,7 @@ def _routers(
 
 def end_to_end(args: argparse.Namespace) -> dict:
     logs = ROOT / "logs" / "benchmarks"
-    engines, p_addr = _engines(args.model, logs)
+    engines, p_addrs = _engines(args.model, logs, args.prefills)
     started: list[ManagedServer] = []
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -301,7 +305,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
             s.wait_healthy(600)
         urls = [base_url(s) for s in engines]
         with tempfile.TemporaryDirectory() as tmp:
-            routers = _routers(args.model, logs, Path(tmp), urls[0], p_addr, urls[1:])
+            ps, ds = urls[: args.prefills], urls[args.prefills :]
+            routers = _routers(args.model, logs, Path(tmp), ps, p_addrs, ds)
             for r in routers.values():
                 started.append(r.start())
             for r in routers.values():
@@ -338,13 +343,14 @@ def end_to_end(args: argparse.Namespace) -> dict:
         }
         for kind in WORKLOADS
     }
-    return {"routers": results, "ratios": ratios}
+    return {"routers": results, "ratios": ratios, "conditions": {"prefills": args.prefills, "decodes": 2}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decision-only", action="store_true", help="the in-process decision cost only")
     parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "models" / "tiny-llama")
+    parser.add_argument("--prefills", type=int, default=1, help="prefill servers (two decode servers)")
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--agents", type=int, default=4)
