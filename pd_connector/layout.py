@@ -340,6 +340,21 @@ def _rank_of(model: KVLayout, tp_size: int, tp_rank: int) -> KVLayout:
     )
 
 
+def kernel_block_ids(blocks: Sequence[int], per_block: int) -> list[int]:
+    """The kernel block table of a KV manager block table, for caches in kernel blocks.
+
+    Some attention backends' kernels take blocks smaller than the KV manager's: vLLM then lays the cache out in
+    kernel blocks and splits manager block ``b`` of ``per_block * k`` tokens into kernel blocks
+    ``b * per_block + j`` (``j < per_block``) of ``k`` tokens each. In this module's terms such a cache is a
+    ``KVLayout`` whose block is the kernel block (``block_tokens = k``) and whose block table is this one:
+    token ``t`` of a request sits at position ``t // k`` of it exactly as it sat at ``t // (per_block * k)``
+    of the manager's, so ``BlockMapping`` maps it to and from any other layout and block size unchanged.
+    """
+    if per_block <= 0:
+        raise ValueError(f"per_block must be positive, got {per_block}")
+    return [b * per_block + j for b in blocks for j in range(per_block)]
+
+
 @dataclass(frozen=True)
 class BlockMapping:
     """Copies one token range of a request from P's block table into D's (both in token order)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_connector.layout import sends_heads
+from pd_connector.layout import kernel_block_ids, sends_heads
 from pd_connector.metrics import reported_stages
 from pd_connector.staging import StagingPool, byte_views, plan, pool_slots
 from pd_connector.trace import TraceRecord, TraceWriter
@@ -107,6 +107,7 @@ class WorkerSide:
         self._engine_id = f"{engine_id}-tp{self._tp.rank}" if self._tp.size > 1 else engine_id
         self._block_size = block_size
         self._num_blocks = num_blocks
+        self._per_block = 1  # kernel blocks per KV manager block (set from the cache's shape)
         self._producer = producer
         self._consumer = consumer
         self._stats = StatsRecorder()
@@ -136,14 +137,15 @@ class WorkerSide:
         """Describe the cache (host or CUDA, any of vLLM's layouts, MLA's latent) and hand it to a transfer
         engine: as it is when the transport reaches its memory (host; CUDA with UCX), else through pinned
         a bounded pool of pinned host slots (``staging``: a CUDA cache with tcp or cma)."""
-        kv = kv_layout(kv_caches, self._num_blocks, self._tp)
+        kv = kv_layout(kv_caches, self._num_blocks, self._tp, self._block_size)
         layout, buffers, memory = kv.layout, kv.buffers, kv.memory
+        self._per_block = max(1, self._block_size // layout.block_tokens)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._sends = self._producer and sends_heads(layout)
         transport = create_transport(self._config.transport_config())
         path = "staged" if self._config.kv_staging == "always" else plan(kv.memory, transport.memory_types)
         if path == "staged":
-            slots = pool_slots(layout, self._num_blocks, self._config.kv_staging_pool_mib)
+            slots = pool_slots(layout, self._num_blocks * self._per_block, self._config.kv_staging_pool_mib)
             self._staging = StagingPool(layout, byte_views(list(kv_caches.values()), kv.buffers), slots)
             layout, buffers, memory = self._staging.layout, self._staging.host_buffers(), HOST
         self._engine = TransferEngine(
@@ -239,7 +241,7 @@ class WorkerSide:
             first = spec.start_token // self._block_size
             end = -(-spec.end_token // self._block_size)
             if spec.corrupt and self._tp.rank == self._tp.size - 1:  # one rank: every rank's bytes must count
-                kv_layer[spec.block_ids[first:end]] = 0
+                kv_layer[self._kernel(spec.block_ids[first:end])] = 0
             held = self._pushes[spec.req_id].held
             if held is not None:
                 held.pushes.append((layer, first, end))
@@ -247,11 +249,11 @@ class WorkerSide:
                 self._push(spec.transfer_id, spec.block_ids, layer, first, end)
 
     def _push(self, transfer_id: str, block_ids: Sequence[int], layer: int, first: int, end: int) -> None:
-        """Push ``layer``'s table positions ``[first, end)``; staged, copy them into their slots first (the
-        transport reads the slots)."""
+        """Push ``layer``'s manager table positions ``[first, end)``; staged, copy them into their slots first
+        (the transport reads the slots)."""
         if self._staging is not None:
-            self._staging.to_slots(_owner("send", transfer_id), layer, block_ids[first:end])
-        self._eng.push_layer(transfer_id, layer, first, end)
+            self._staging.to_slots(_owner("send", transfer_id), layer, self._kernel(block_ids[first:end]))
+        self._eng.push_layer(transfer_id, layer, first * self._per_block, end * self._per_block)
 
     def _release_held(self) -> None:
         """Give the pushes waiting for staging slots their slots, in order while they suffice, and replay
@@ -361,10 +363,15 @@ class WorkerSide:
 
     # ---- staging ----
 
+    def _kernel(self, blocks: Sequence[int]) -> list[int]:
+        """The cache's blocks of KV manager ``blocks`` (the same ids unless the backend uses kernel blocks)."""
+        return kernel_block_ids(blocks, self._per_block)
+
     def _reserve(self, owner: str, blocks: Sequence[int]) -> list[int] | None:
-        """The table the engine gets for ``blocks``: the blocks themselves (direct), or the staging slots that
-        stand for them; None when too few slots are free now (raises ``PoolTooSmall``: never enough)."""
-        return list(blocks) if self._staging is None else self._staging.reserve(owner, blocks)
+        """The table the engine gets for manager ``blocks``: the cache's blocks (direct), or the staging slots
+        that stand for them; None when too few slots are free now (raises ``PoolTooSmall``: never enough)."""
+        table = self._kernel(blocks)
+        return table if self._staging is None else self._staging.reserve(owner, table)
 
     def _release(self, owner: str) -> None:
         if self._staging is not None:
@@ -380,7 +387,7 @@ class WorkerSide:
             if self._staging is not None and result.role == "recv" and result.state is TransferState.DONE:
                 req_id = self._loading.get(result.transfer_id)
                 if req_id is not None:
-                    self._staging.from_slots(owner, self._loads[req_id].blocks)
+                    self._staging.from_slots(owner, self._kernel(self._loads[req_id].blocks))
             self._release(owner)
             self._ended.append(result)
 

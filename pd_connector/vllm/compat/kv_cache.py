@@ -97,18 +97,24 @@ def tp_rank(vllm_config: VllmConfig) -> TPRank:
     return TPRank(rank, size, model.get_total_num_kv_heads(), bool(model.use_mla))
 
 
-def kv_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None) -> KVTensors:
+def kv_layout(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank | None = None, block_size: int = 0
+) -> KVTensors:
     """Describe this worker's KV cache from vLLM's per-layer views and list its buffers (``kv_tensors``).
 
     vLLM 0.32 hands every layer's cache, on every device and attention backend, as a ``[blocks, heads,
     tokens, C]`` view whose strides follow its ``KVCacheLayout`` (NHD or HND, layers outermost or inside each
-    block): ``C`` is K then V of one head and token, or MLA's latent (one "head"). Other shapes (kernel
-    blocks smaller than the manager's, an odd ``C``) are refused with a clear error.
+    block): ``C`` is K then V of one head and token, or MLA's latent (one "head"). An attention backend whose
+    kernels take blocks smaller than the KV manager's (``block_size`` tokens, 0: not checked) gets the cache
+    as ``num_blocks * r`` kernel blocks of ``block_size / r`` tokens; the layout then describes a kernel block
+    (``layout.kernel_block_ids`` maps the manager's block tables onto them). Other shapes (kernel blocks of a
+    packed cache, with other layers' pages between them; an odd ``C``) are refused with a clear error.
     """
     tp = tp or TPRank()
     tensors = list(kv_caches.values())
     for name, tensor in kv_caches.items():
-        if tensor.dim() != 4 or tensor.shape[0] != num_blocks or (not tp.mla and tensor.shape[3] % 2):
+        blocks = num_blocks * _kernel_blocks_per_block(name, tensor, num_blocks, block_size)
+        if tensor.dim() != 4 or tensor.shape[0] != blocks or (not tp.mla and tensor.shape[3] % 2):
             raise ValueError(
                 f"{name}: KV cache {tuple(tensor.shape)} on {tensor.device} is not vLLM's "
                 f"[{num_blocks} blocks, heads, block_size, {'latent' if tp.mla else 'head_k + head_v'}] "
@@ -119,3 +125,23 @@ def kv_layout(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, tp: TPRank
     else:
         views, axes = [t.unflatten(-1, (2, t.shape[-1] // 2)) for t in tensors], "bhtkd"
     return describe(views, axes, tp.size, tp.rank, 1 if tp.mla else tp.total_kv_heads)
+
+
+def _kernel_blocks_per_block(name: str, tensor: torch.Tensor, num_blocks: int, block_size: int) -> int:
+    """How many kernel blocks make one KV manager block in ``tensor`` (1: the cache is in manager blocks).
+
+    vLLM splits manager block ``b`` into kernel blocks ``b * r .. b * r + r - 1`` of an unpacked cache; a
+    packed cache's kernel blocks sit ``kernel_block_stride`` apart with other layers' pages between them, which
+    this refuses, naming both block sizes."""
+    if tensor.dim() != 4 or not 0 < tensor.shape[2] < block_size:
+        return 1
+    kernel = tensor.shape[2]
+    per_block = block_size // kernel
+    if block_size % kernel or tensor.shape[0] != num_blocks * per_block:
+        raise ValueError(
+            f"{name}: KV cache {tuple(tensor.shape)} holds kernel blocks of {kernel} tokens, KV manager blocks "
+            f"hold {block_size}, but not as {block_size / kernel:g} consecutive kernel blocks per manager block "
+            f"({num_blocks} manager blocks); PDConnector maps only that split (run vLLM with --block-size "
+            f"{kernel})"
+        )
+    return per_block

@@ -38,8 +38,13 @@ def kv(fill: bool) -> dict[str, torch.Tensor]:
 
 
 class Pair:
-    def __init__(self, p_config: PDConnectorConfig, d_config: PDConnectorConfig) -> None:
-        self.p_kv, self.d_kv = kv(True), kv(False)
+    def __init__(
+        self,
+        p_config: PDConnectorConfig,
+        d_config: PDConnectorConfig,
+        p_kv: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.p_kv, self.d_kv = p_kv or kv(True), kv(False)
         self.p = WorkerSide(p_config, "p", BS, NUM_BLOCKS, producer=True, consumer=False)
         self.d = WorkerSide(d_config, "d", BS, NUM_BLOCKS, producer=False, consumer=True)
         self.p.register_kv_caches(self.p_kv)
@@ -83,8 +88,12 @@ class Pair:
 def make_pair() -> Iterator[Callable[..., Pair]]:
     pairs: list[Pair] = []
 
-    def make(p: PDConnectorConfig | None = None, d: PDConnectorConfig | None = None) -> Pair:
-        pair = Pair(p or PDConnectorConfig(lease_s=5), d or PDConnectorConfig(load_timeout_s=5))
+    def make(
+        p: PDConnectorConfig | None = None,
+        d: PDConnectorConfig | None = None,
+        p_kv: dict[str, torch.Tensor] | None = None,
+    ) -> Pair:
+        pair = Pair(p or PDConnectorConfig(lease_s=5), d or PDConnectorConfig(load_timeout_s=5), p_kv)
         pairs.append(pair)
         return pair
 
@@ -413,3 +422,53 @@ def test_a_transfer_without_slots_fails_clearly_and_falls_back(make_pair: Callab
     stats = pair.p.stats()
     assert stats is not None and stats.data["transfers_sent"] == 1
     assert free_slots(pair.p) == free_slots(pair.d) == 10
+
+
+@pytest.mark.parametrize("staging", ["auto", "always"])
+def test_kernel_blocks_smaller_than_manager_blocks_land_token_for_token(
+    make_pair: Callable[..., Pair], staging: str
+) -> None:
+    """P's attention backend uses kernel blocks of half the KV manager's (its cache is 2 x NUM_BLOCKS blocks
+    of BS / 2 tokens, manager block b being kernel blocks 2b and 2b + 1, as vLLM splits them); D's cache is in
+    manager blocks. Every token lands where D's manager block table puts it, direct and staged."""
+    gen = torch.Generator().manual_seed(5)
+    p_kv = {n: torch.randn((2 * NUM_BLOCKS, 2, BS // 2, 128), generator=gen) for n in NAMES}
+    pair = make_pair(
+        PDConnectorConfig(lease_s=5, kv_staging=staging),  # type: ignore[arg-type]
+        PDConnectorConfig(load_timeout_s=5, kv_staging=staging),  # type: ignore[arg-type]
+        p_kv,
+    )
+    p_blocks, d_blocks = [6, 1, 3], [11, 2, 9]
+    pair.d_step([RecvSpec("d1", "T", pair.addr, d_blocks, start_block=0, num_tokens=70)])
+    for start, end in (
+        (0, 40),
+        (40, 70),
+    ):  # the first chunk ends inside a manager block's second kernel block
+        pair.p_step([SendSpec("p1", "T", p_blocks[: -(-end // BS)], start, end, 70)])
+    pair.p_finish()
+    pair.wait(lambda: "d1" in pair.recv and pair.sent == {"p1"})
+    assert pair.failed == set()
+    for name in NAMES:  # [heads, tokens, C] of the request's 70 tokens on each side
+        manager = (
+            p_kv[name].unflatten(0, (NUM_BLOCKS, 2)).transpose(1, 2).flatten(2, 3)
+        )  # [blocks, heads, BS, C]
+        sent = manager[p_blocks].transpose(0, 1).flatten(1, 2)[:, :70]
+        landed = pair.d_kv[name][d_blocks].transpose(0, 1).flatten(1, 2)[:, :70]
+        assert torch.equal(sent, landed), name
+
+
+def test_kernel_blocks_that_are_not_a_plain_split_are_refused_naming_both_sizes() -> None:
+    """Kernel blocks vLLM lays out another way (a packed cache's, other layers' pages between them): refused at
+    registration, naming the kernel and the manager block sizes and the way out."""
+    cache = {"l": torch.zeros(2 * NUM_BLOCKS + 1, 2, BS // 2, 128)}
+    with pytest.raises(
+        ValueError,
+        match=f"kernel blocks of {BS // 2} tokens, KV manager blocks hold {BS}.*--block-size {BS // 2}",
+    ):
+        kv_layout(cache, NUM_BLOCKS, block_size=BS)
+    assert (
+        kv_layout(
+            {"l": torch.zeros(2 * NUM_BLOCKS, 2, BS // 2, 128)}, NUM_BLOCKS, block_size=BS
+        ).layout.block_tokens
+        == BS // 2
+    )
