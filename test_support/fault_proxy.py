@@ -168,6 +168,12 @@ class FaultProxy:
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
+    @property
+    def relaying(self) -> int:
+        """Connections being relayed now (a test waits for 0 to know every relayed byte is delivered or
+        dropped)."""
+        return len(self._tasks)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close the listener and reset every relayed connection; join the I/O thread (idempotent)."""
         io, self._io = self._io, None

@@ -75,6 +75,7 @@ async def accept(ctx: EngineContext, conn: control.Connection) -> Accepted | Non
     """P's side: the decode side behind ``conn`` once attached and told ``Ready``; None when it was refused or
     dropped (logged and counted in ``rejected_connections``)."""
     timeout = ctx.config.connect_timeout_s
+    hello: object = None
     try:
         hello = await conn.read_message(timeout)
         if not isinstance(hello, Hello):
@@ -92,6 +93,10 @@ async def accept(ctx: EngineContext, conn: control.Connection) -> Accepted | Non
                 raise ProtocolError(f"expected memory, got {type(reply).__name__}")
             memory = reply
     except _READ_ERRORS as e:
+        if isinstance(e, asyncio.IncompleteReadError) and not e.partial and hello is None:
+            # Connected and left without a byte: a decode's liveness probe (``Receiver._probe``), not a peer.
+            logger.debug("control: %s connected and closed without a hello", conn.peer)
+            return None
         ctx.count(rejected_connections=1)
         logger.error("control: rejecting connection from %s: %r", conn.peer, e)
         return None

@@ -1,9 +1,24 @@
 """Receiver (decode, D) half of the transfer engine: links to prefill side channels, per-transfer waits.
 
 Runs only on the engine's I/O thread. One link (control connection) per prefill address, opened on first
-use and shared by all transfers to it; a link that breaks fails its transfers at once, and the next
-``expect`` reconnects (a restarted P). Giving up on a transfer (timeout, abort) waits for P's Ack before
-reporting, so D never reuses blocks P is still writing into.
+use and shared by all transfers to it; a link that breaks fails its transfers, and the next ``expect``
+reconnects (a restarted P). Giving up on a transfer (timeout, abort) waits for P's Ack before reporting, so D
+never reuses blocks P is still writing into.
+
+The data fence. A lost link is no Ack: P's one-sided writes (tcp ``Put`` frames carry a region and an offset,
+no transfer id; RDMA and shared-memory puts need nothing of D at all) may still be in flight, in a socket
+buffer, a relay or a stopped P, and land after D reported and vLLM gave the blocks to another request: a 200
+with wrong tokens that no checksum can catch (the blocks are another request's by then). So each link (one
+control session) hands P its own data grant (``Transport.grant``), and when the link is lost D first revokes
+it (``Transport.revoke``): on tcp the data connections of that session are closed unread, and the transfers
+fail at once. A transport that cannot refuse a writer (ucx, cma: the writer needs nothing of D) answers
+False, and D holds those parts' blocks instead, until P can no longer be writing: P starts no write after the
+deadline D gave it (the transfer's lease), and ``abort_grace_s`` after that its last write has drained. A P
+that is provably gone (its side channel refuses connections: its process died or its engine closed) releases
+them at once. The hold is bounded by the load timeout plus ``abort_grace_s``, like any give-up, and never
+leaks: the blocks go back when it ends. What it does not cover: a Destinations message delayed in transit by
+more than ``abort_grace_s`` (P's deadline starts when it arrives) to a P that keeps writing after its link
+died; docs/architecture.md discusses it.
 
 Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake
 (``handshake.dial``) tells D how P is split (``HelloAck.layout``), and D then takes each of its heads from the
@@ -16,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 import msgspec
@@ -48,6 +64,7 @@ class _Link:
     """Our client connection to one prefill side, shared by all transfers to that address."""
 
     addr: str
+    key: str  # this control session's data grant (``Transport.grant``), revoked when the link is lost
     conn: control.Connection | None = None
     ready: bool = False
     layout: KVLayout | None = None  # P's layout, from its HelloAck
@@ -67,6 +84,7 @@ class _Part:
     done: bool = False
     acked: bool = False  # P answered our Abort (or its end crossed it): nothing of it writes any more
     bytes: int = 0
+    hold: asyncio.TimerHandle | None = None  # link lost, writes not fenced: the blocks are kept until then
 
 
 @dataclasses.dataclass(eq=False)
@@ -100,6 +118,8 @@ class Receiver:
         self.links: dict[str, _Link] = {}
         # Transfers waiting for the handshake with P's first rank (which tells how P is split).
         self.unplanned: dict[str, list[_Recv]] = {}
+        self._sessions = itertools.count()  # numbers the links' data grants
+        self._probes: dict[str, asyncio.Task[None]] = {}  # per P address: is it gone? (see ``_hold``)
 
     def sizes(self) -> dict[str, int]:
         return {"recvs": len(self.recvs), "links": len(self.links)}
@@ -113,6 +133,8 @@ class Receiver:
         for link in list(self.links.values()):
             if link.conn is not None:
                 link.conn.close("engine closed")
+        for probe in self._probes.values():
+            probe.cancel()
 
     # ---- adapter calls ---------------------------------------------------------------------------------------
     def expect(self, addr: str, dests: Destinations, at: float) -> None:
@@ -167,7 +189,7 @@ class Receiver:
     def _link(self, addr: str) -> _Link:
         link = self.links.get(addr)
         if link is None:
-            link = self.links[addr] = _Link(addr)
+            link = self.links[addr] = _Link(addr, f"{addr}#{next(self._sessions)}")
             self.ctx.loop.create_task(self._connect(link))
         return link
 
@@ -187,7 +209,12 @@ class Receiver:
             return
         link.conn = conn
         conn.on_close = lambda c, why: self._link_failed(link, f"prefill {link.addr} lost: {why}")
-        answer = await handshake.dial(self.ctx, link.addr, conn, self.memory)
+        try:
+            memory = self.ctx.transport.grant(link.key, self.memory)
+        except RuntimeError as e:  # the transport is closing
+            conn.close(f"no data grant: {e}")
+            return
+        answer = await handshake.dial(self.ctx, link.addr, conn, memory)
         reason = answer if isinstance(answer, str) else ""
         if reason or link.conn is not conn:
             logger.error("control: %s", reason)
@@ -211,20 +238,84 @@ class Receiver:
         await conn.run()
 
     def _link_failed(self, link: _Link, reason: str) -> None:
-        """The link is gone (refused, unreachable, closed): every transfer using it ends now."""
+        """The link is gone (refused, unreachable, closed): every transfer using it ends, once no write of
+        this session can land any more (fenced now, or held until P cannot be writing: see the module doc)."""
         if self.links.get(link.addr) is link:
             del self.links[link.addr]
         link.ready = False
+        fenced = self.ctx.transport.revoke(link.key)
         for rt in self.unplanned.pop(link.addr, []):
             self._finish(rt, TransferState.FAILED, reason)
         for rt in [r for r in self.recvs.values() if any(p.link is link for p in r.parts)]:
             for part in rt.parts:
-                if part.link is link:
-                    part.acked = True  # P's side of this link detached: it writes nothing more
+                if part.link is not link or part.acked or part.done or part.hold is not None:
+                    continue
+                if fenced or not part.sent:
+                    part.acked = True  # nothing of this session writes into our memory any more
+                else:
+                    self._hold(part)
             if rt.ending is None:
                 self._give_up(rt, TransferState.FAILED, reason)
             else:
                 self._maybe_acked(rt)
+
+    def _hold(self, part: _Part) -> None:
+        """Keep ``part``'s blocks until P cannot be writing into them: past the deadline it was given (it starts
+        no write after it) plus ``abort_grace_s`` (its last write drained), or until P is provably gone."""
+        rt = part.recv
+        until = rt.started + rt.dests.lease_s + self.ctx.config.abort_grace_s
+        wait_s = until - time.monotonic()
+        if wait_s <= 0:
+            part.acked = True
+            return
+        logger.warning(
+            "transfer %s: link to prefill %s lost and its writes cannot be fenced on %s; keeping the blocks "
+            "up to %.1f s until it cannot be writing",
+            rt.transfer_id,
+            part.link.addr,
+            self.ctx.transport.name,
+            wait_s,
+        )
+        part.hold = self.ctx.loop.call_later(wait_s, self._released, part)
+        if part.link.addr not in self._probes:
+            self._probes[part.link.addr] = self.ctx.loop.create_task(self._probe(part.link.addr))
+
+    def _released(self, part: _Part) -> None:
+        if part.hold is not None:
+            part.hold.cancel()
+            part.hold = None
+        part.acked = True
+        self._maybe_acked(part.recv)
+
+    def _held(self, addr: str) -> list[_Part]:
+        return [
+            p for rt in self.recvs.values() for p in rt.parts if p.hold is not None and p.link.addr == addr
+        ]
+
+    async def _probe(self, addr: str) -> None:
+        """While parts of a lost link to ``addr`` are held: if P's side channel refuses connections, its
+        process died or its engine closed, and neither writes any more, so the held blocks go back now. A P
+        that accepts (stopped, slow, or restarted on that port) leaves them held until their deadline."""
+        cfg = self.ctx.config
+        host, port = control.split_addr(addr)
+        try:
+            while self._held(addr):
+                try:
+                    _, writer = await asyncio.wait_for(
+                        asyncio.open_connection(host, port), cfg.connect_timeout_s
+                    )
+                except ConnectionRefusedError:
+                    logger.info("control: prefill %s is gone; releasing the blocks held for its writes", addr)
+                    for part in self._held(addr):
+                        self._released(part)
+                    return
+                except (TimeoutError, OSError):
+                    pass
+                else:
+                    writer.close()
+                await asyncio.sleep(cfg.heartbeat_interval_s)
+        finally:
+            self._probes.pop(addr, None)
 
     def _send_destinations(self, part: _Part) -> None:
         assert part.link.conn is not None
@@ -320,7 +411,7 @@ class Receiver:
             if link is not None:
                 link.aborts.append(abort)
         for part in rt.parts:
-            if part.acked or part.done:
+            if part.acked or part.done or part.hold is not None:
                 continue
             if part.sent and part.link.ready and part.link.conn is not None:
                 part.link.conn.send(abort)
@@ -361,6 +452,8 @@ class Receiver:
         if rt.timer is not None:
             rt.timer.cancel()
         for part in rt.parts:
+            if part.hold is not None:
+                part.hold.cancel()
             if part in part.link.waiting:
                 part.link.waiting.remove(part)
         waiting = self.unplanned.get(rt.addr)

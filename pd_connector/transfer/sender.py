@@ -272,6 +272,14 @@ class Sender:
 
     def _write(self, st: Send, binding: Binding, layer: int, start: int, end: int | None) -> None:
         dests, ctx = binding.dests, self.ctx
+        if ctx.loop.time() >= binding.deadline:
+            # D stops waiting at its deadline and may hold its blocks only that long (its data fence): a write
+            # started now could land in blocks given to another request. A push can reach us ahead of the
+            # lease timer (a stopped P resuming), so the deadline is checked here too.
+            if st.timer is not None:
+                st.timer.cancel()
+            self._lease_expired(st)
+            return
         ps = ctx.layout.block_tokens
         stop = len(st.src_blocks) if end is None else end
         first, last = max(start * ps, dests.start_token), min(stop * ps, dests.num_tokens)

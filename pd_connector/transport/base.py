@@ -110,6 +110,23 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Stop the I/O thread, close every endpoint and deregister all memory (idempotent)."""
 
+    def grant(self, key: str, descriptor: bytes) -> bytes:
+        """A descriptor (from ``register``) for one peer session named ``key``, which ``revoke(key)`` can fence.
+
+        Called by the receiver (D) once per control session with a P, before it hands P the descriptor. The
+        default hands out the shared descriptor: a transport whose writes the receiver cannot refuse (one-sided
+        RDMA or shared-memory puts, ``process_vm_writev``) has nothing per session to revoke.
+        """
+        return descriptor
+
+    def revoke(self, key: str) -> bool:
+        """Fence the session ``key``: once this returns True, no write made under its grant lands any more
+        (writes in flight are dropped unread). False: this transport cannot fence (the default), and the caller
+        must keep the memory away from reuse until the writer can no longer be writing. Idempotent; an unknown
+        key is already fenced. Called by D on its transfer engine's I/O thread when the session ends.
+        """
+        return False
+
 
 def check_reachable(
     transport_name: str, reachable: frozenset[MemoryType], regions: Sequence[MemoryRegion]

@@ -12,9 +12,10 @@ into byte spans (``regions.plan``) and posts them to it. All socket work runs on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -26,6 +27,8 @@ from .regions import RegionTable, host_view, plan
 from .tcp_receiver import Listener
 from .tcp_sender import Job, Outbound, connect
 from .tcp_wire import PROTOCOL_VERSION, TcpDescriptor
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,21 @@ class TcpTransport(Transport):
             fail(future, RuntimeError("tcp transport is closed"))  # possibly while we were scheduling
         return future
 
+    def grant(self, key: str, descriptor: bytes) -> bytes:
+        """``descriptor`` with a token of its own for session ``key``: the data connections that present it are
+        the ones ``revoke(key)`` closes."""
+        self._require_open()
+        desc = msgspec.msgpack.decode(descriptor, type=TcpDescriptor)
+        token = self._io.run(self._on_io(self._listener.grant, key), self.config.connect_timeout_s)
+        return msgspec.msgpack.encode(msgspec.structs.replace(desc, token=token))
+
+    def revoke(self, key: str) -> bool:
+        """Refuse ``key``'s token from now on and close its data connections unread (on the I/O thread, which
+        is the one that reads them into memory: once this returns, nothing of theirs lands)."""
+        if self._io.running:
+            self._io.run(self._on_io(self._listener.revoke, key), self.config.connect_timeout_s)
+        return True  # a closed transport's listener reads nothing either
+
     def detach(self, peer_id: str) -> None:
         if self._io.on_loop_thread():  # from a write future's done-callback, which runs on the I/O thread
             self._io.loop.create_task(self._detach(peer_id))
@@ -132,6 +150,11 @@ class TcpTransport(Transport):
         return self._listener.port
 
     @property
+    def inbound_connections(self) -> int:
+        """Data connections peers have open into us now (tests use it to know a peer's bytes were all read)."""
+        return self._listener.connections
+
+    @property
     def dropped_connections(self) -> int:
         """Data connections the listener dropped for protocol violations (tests and metrics read it)."""
         return self._listener.dropped_connections
@@ -139,6 +162,10 @@ class TcpTransport(Transport):
     # -- on the I/O thread -----------------------------------------------------------------------------------
     async def _add_views(self, views: dict[int, memoryview]) -> None:
         self._views.update(views)
+
+    @staticmethod
+    async def _on_io(fn: Callable[[str], T], key: str) -> T:
+        return fn(key)
 
     async def _connect(self, peer_id: str, desc: TcpDescriptor) -> None:
         await self._detach(peer_id)

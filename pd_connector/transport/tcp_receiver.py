@@ -51,7 +51,9 @@ class Listener:
     """
 
     def __init__(self, views: dict[int, memoryview], regions: RegionTable, max_frame_bytes: int) -> None:
+        #: The token of ``register``'s descriptor (never revoked) and of each session's grant, by grant key.
         self.token = secrets.token_bytes(16)
+        self._grants: dict[str, bytes] = {}
         #: Connections dropped for protocol violations (tests and metrics read it).
         self.dropped_connections = 0
         #: The listener's port (0 until ``listen``).
@@ -65,6 +67,11 @@ class Listener:
     @property
     def listening(self) -> bool:
         return self._server is not None
+
+    @property
+    def connections(self) -> int:
+        """Data connections open now."""
+        return len(self._connections)
 
     async def listen(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -91,11 +98,28 @@ class Listener:
         self.dropped_connections += 1
         log.error("tcp transport: dropping data connection from %s: %s", peer, exc)
 
-    def authenticate(self, hello: Hello) -> None:
+    def grant(self, key: str) -> bytes:
+        """A fresh token for the session ``key`` (replacing any earlier one of that key)."""
+        token = self._grants[key] = secrets.token_bytes(16)
+        return token
+
+    def revoke(self, key: str) -> None:
+        """Forget ``key``'s token and abort every connection that presented it: bytes still on their way (in
+        the kernel's buffers, in a relay) are never read into the registered memory."""
+        self._grants.pop(key, None)
+        for conn in [c for c in self._connections if c.grant == key]:
+            conn.abort()
+
+    def authenticate(self, hello: Hello) -> str | None:
+        """The grant key ``hello``'s token belongs to (None: ``register``'s own token), or ``FrameError``."""
         if hello.version != PROTOCOL_VERSION:
             raise FrameError(f"protocol version {hello.version}, expected {PROTOCOL_VERSION}")
-        if not hmac.compare_digest(hello.token, self.token):
-            raise FrameError("wrong token")
+        if hmac.compare_digest(hello.token, self.token):
+            return None
+        for key, token in self._grants.items():
+            if hmac.compare_digest(hello.token, token):
+                return key
+        raise FrameError("wrong or revoked token")
 
     def destination(self, put: Put) -> memoryview:
         """The registered bytes a ``Put`` fills, or ``FrameError`` if it points elsewhere."""
@@ -145,6 +169,8 @@ class Inbound(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._authenticated = False
+        #: The grant key this connection authenticated with (None: ``register``'s token, or not yet).
+        self.grant: str | None = None
         self._payload: memoryview | None = None  # what remains to fill of the current Put / PutBlocks
         self._on_payload: Callable[[], None] | None = None  # run when that payload is complete
         self._direct = False  # the last get_buffer handed out the payload itself
@@ -225,7 +251,7 @@ class Inbound(asyncio.BufferedProtocol):
         if not self._authenticated:
             if not isinstance(frame, Hello):
                 raise FrameError(f"expected hello, got {type(frame).__name__}")
-            self._listener.authenticate(frame)
+            self.grant = self._listener.authenticate(frame)
             self._authenticated = True
         elif isinstance(frame, Put):
             self._payload = self._listener.destination(frame)
@@ -242,5 +268,7 @@ class Inbound(asyncio.BufferedProtocol):
         self._payload = None
 
     def abort(self) -> None:
+        """Close at once: from here on nothing more is read from the socket into memory."""
         if self._transport is not None:
             self._transport.abort()
+        self._payload = None

@@ -35,6 +35,7 @@ from pd_connector.protocol import (
 from pd_connector.transfer import TransferEngine, TransferState
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
+from pd_connector.transport.tcp import TcpTransport
 from tests.pd_connector.engines import (
     SLACK_S,
     SMALL,
@@ -191,7 +192,9 @@ def test_silent_prefill_fails_decode_before_its_load_timeout() -> None:
     thread = threading.Thread(target=fake_prefill, daemon=True)
     thread.start()
     d_cache = KVCache(SMALL, 16, None)  # must outlive the engine: it holds raw addresses
-    d = make_engine(d_cache, LoopbackTransport(LoopbackFabric()), False, "D", **FAST)
+    # tcp: D can fence a lost P's data connections, so it fails at once (a transport that cannot fence keeps
+    # the blocks until P's deadline instead: tests/pd_connector/test_fence.py).
+    d = make_engine(d_cache, TcpTransport(), False, "D", **FAST)
     with closing(d):
         t0 = time.monotonic()
         d.expect("s", f"127.0.0.1:{server.getsockname()[1]}", [1], 4, timeout_s=30)
@@ -371,7 +374,9 @@ def test_write_timeout_drops_the_peer_and_releases_the_blocks() -> None:
     d_cache = KVCache(SMALL, 16, None)  # must outlive the engine: it holds raw addresses
     d = make_engine(d_cache, StallingTransport(prefill.fabric), False, "D", **FAST)
     try:
-        d.expect("stall", prefill.addr, [1, 2], 8)
+        # P drops D with its write still stuck in the transport, which loopback (like ucx and cma) cannot
+        # fence: D keeps the blocks until the deadline it gave P plus abort_grace_s (test_fence.py), short here.
+        d.expect("stall", prefill.addr, [1, 2], 8, timeout_s=1.0)
         prefill.engine.offer("stall", [3, 4])
         prefill.engine.push_layer("stall", 0)
         t0 = time.monotonic()
