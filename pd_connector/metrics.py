@@ -32,6 +32,8 @@ COUNTERS: dict[str, str] = {
     "transfers_received": "Transfers D completed.",
     "failures": "Transfers that failed (peer died, timeout, refused).",
     "expired_leases": "P transfers whose lease expired (D never came or stalled; blocks freed).",
+    "integrity_failures": "D: loads failed because the KV that landed did not match P's checksums "
+    "(integrity_check on; a torn or misplaced write caught before it could be decoded from).",
     "write_seconds": "P: seconds spent writing layers to decode nodes (summed over writes).",
     "refused_requests": "Requests whose kv_transfer_params were refused and served locally (malformed, a role "
     "this node does not play, a prefill address not allowed, a transfer id in use).",
@@ -106,6 +108,8 @@ class StatsRecorder:
                 self._data["failures"] += 1
             if result.lease_expired:
                 self._data["expired_leases"] += 1
+            if result.integrity_failed:
+                self._data["integrity_failures"] += 1
             self._data[STAGES].extend([name, seconds] for name, seconds in durations.items())
 
     def failure(self) -> None:

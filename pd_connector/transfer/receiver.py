@@ -100,6 +100,7 @@ class _Recv:
     state: TransferState = TransferState.WAITING
     first_token: int | None = None
     ending: tuple[TransferState, str] | None = None  # set while waiting for P's Acks of our Aborts
+    integrity_failed: bool = False  # what landed did not match P's checksums
     timer: asyncio.TimerHandle | None = None
     timeline: Timeline = dataclasses.field(default_factory=Timeline)
 
@@ -367,6 +368,7 @@ class Receiver:
         elif (mismatch := self._integrity_problem(part, msg)) is not None:
             logger.error("transfer %s: %s", rt.transfer_id, mismatch)
             self.ctx.count(integrity_failures=1)
+            rt.integrity_failed = True
             self._give_up(rt, TransferState.FAILED, mismatch)
         else:
             part.done = True
@@ -469,6 +471,7 @@ class Receiver:
                 first_token=rt.first_token if state is TransferState.DONE else None,
                 bytes=rt.bytes,
                 duration_s=time.monotonic() - rt.started,
+                integrity_failed=rt.integrity_failed,
                 stages=rt.timeline.stamps,
             )
         )

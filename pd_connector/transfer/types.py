@@ -108,6 +108,8 @@ class TransferResult:
     duration_s: float = 0.0
     exposed_s: float = 0.0
     lease_expired: bool = False
+    #: D: the load failed because the KV that landed did not match P's checksums (``integrity_check``).
+    integrity_failed: bool = False
     #: When each stage happened on this side, wall-clock seconds (``pd_connector.timeline``).
     stages: dict[str, float] = field(default_factory=dict)
 

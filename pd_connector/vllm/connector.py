@@ -201,10 +201,9 @@ class PDConnector(KVConnectorBase_V1):
 
     def loads_to_fail(self, connector_output: KVConnectorOutput) -> set[str]:
         """Asked by ``compat.fail_loads_on_request``'s hook (EngineCore), each step before vLLM handles the
-        step's output: the requests to end with an error rather than recompute (``SchedulerSide.loads_to_fail``)."""
-        return self._sched.loads_to_fail(
-            set(connector_output.failed_recving or ()), _first_tokens(connector_output)
-        )
+        step's output: the requests to end with an error rather than go on unseeded (``SchedulerSide.loads_to_fail``)."""
+        ended = set(connector_output.finished_recving or ()) | set(connector_output.failed_recving or ())
+        return self._sched.loads_to_fail(ended, _first_tokens(connector_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)

@@ -23,9 +23,10 @@ pd-router only) continues from that token when its load finished (``compat.seed_
 the position after the prompt and samples the second token, instead of recomputing the last prompt position
 and sampling a first token of its own. A load that failed is still seeded when the token is known (from
 ``Done``, or, in vLLM's standard flow, from P's answer, ``pd_first_token``): D recomputes the prompt and
-the token. A failed pd-push load whose ``Done`` never came has no token: its request ends with an error
-(``loads_to_fail``), whatever the engine's ``kv_load_failure_policy``, since recomputing would repeat the
-token the client already has.
+the token. Any seeded load that ends without a usable token (a failed pd-push load whose ``Done`` never came,
+or a load whose token is outside the vocabulary, from a faulty P) ends its request with an error
+(``loads_to_fail``), whatever the engine's ``kv_load_failure_policy``, since going on unseeded would repeat
+the token the client already has.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
 table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
@@ -291,18 +292,19 @@ class SchedulerSide:
             return None
         return token
 
-    def loads_to_fail(self, failed: set[str], first_tokens: dict[str, int]) -> set[str]:
-        """D (EngineCore, each step before vLLM applies its failure policy to the step's failed loads): the
-        seeded requests among ``failed`` that no token can seed. The client already has P's token, so
-        recomputing would make D sample a first token of its own and the stream would repeat it; they end
-        with an error instead (``compat.fail_loads_on_request``), under any ``kv_load_failure_policy``."""
-        doomed = {r for r in failed if r in self._seeding and self._seed_token(r, first_tokens) is None}
+    def loads_to_fail(self, ended: set[str], first_tokens: dict[str, int]) -> set[str]:
+        """D (EngineCore, each step before vLLM applies its failure policy and promotes the step's loads): the
+        seeded requests among the loads that ended this step (``ended``: done or failed) that no usable token
+        can seed. The client already has P's token, so going on without it (recomputing, or decoding after a
+        load that landed) would make D sample a first token of its own and the stream would repeat it; they
+        end with an error instead (``compat.fail_loads_on_request``), under any ``kv_load_failure_policy``."""
+        doomed = {r for r in ended if r in self._seeding and self._seed_token(r, first_tokens) is None}
         for req_id in doomed:
             del self._seeding[req_id]
             self._loading.discard(req_id)  # reported finished: ending the request aborts no load
             logger.warning(
-                "PDConnector: seeded request %s ends with an error: its load failed before P's first token "
-                "came (recomputing would repeat the token the client has)",
+                "PDConnector: seeded request %s ends with an error: its load ended without a usable first "
+                "token from P (going on unseeded would repeat the token the client has)",
                 req_id,
             )
         return doomed

@@ -82,7 +82,7 @@ def test_intact_kv_passes_the_check_on_every_transport(kind: str) -> None:
         d.expect("t1", addr(p), [10, 2, 4], 10)
         push(p, "t1", [3, 5, 7], SMALL.num_layers)
         got = wait(d, {"t1"})["t1"]
-        assert got.state is TransferState.DONE, got.reason
+        assert got.state is TransferState.DONE and not got.integrity_failed, got.reason
         assert wait(p, {"t1"})["t1"].state is TransferState.DONE
         assert copied(pc, dc, [3, 5, 7], [10, 2, 4], 10)
         assert d.counters().integrity_failures == 0
@@ -98,6 +98,7 @@ def test_kv_damaged_after_it_landed_fails_the_load_and_leaks_nothing(kind: str) 
         assert wrapped.damaged == 1
         assert got.state is TransferState.FAILED
         assert "integrity check failed" in got.reason and "layer 1" in got.reason, got.reason
+        assert got.integrity_failed  # what the adapters' metrics count (integrity_failures)
         wait(p, {"bad"})  # P's part ended (its writes landed); D alone judged the bytes
         assert d.counters().integrity_failures == 1
         assert_no_state(p, d)

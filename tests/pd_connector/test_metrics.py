@@ -22,11 +22,12 @@ SEND_DONE = TransferResult(
 RECV_DONE = TransferResult("t1", "recv", TransferState.DONE, bytes=4096, duration_s=0.3)
 SEND_EXPIRED = TransferResult("t2", "send", TransferState.FAILED, lease_expired=True)
 RECV_ABORTED = TransferResult("t3", "recv", TransferState.ABORTED)
+RECV_TORN = TransferResult("t4", "recv", TransferState.FAILED, integrity_failed=True)
 
 
 def test_record_counts_by_role_and_state() -> None:
     stats = StatsRecorder()
-    for result in (SEND_DONE, RECV_DONE, SEND_EXPIRED, RECV_ABORTED):
+    for result in (SEND_DONE, RECV_DONE, SEND_EXPIRED, RECV_ABORTED, RECV_TORN):
         stats.record(result, reported_stages(result))
     stats.write_total(2.0)
     stats.write_total(1.0)  # a total never shrinks: nothing recorded
@@ -38,8 +39,9 @@ def test_record_counts_by_role_and_state() -> None:
         "bytes_received": 4096,
         "transfers_sent": 1,
         "transfers_received": 1,
-        "failures": 1,  # the lease that expired failed the transfer; an abort is no failure
+        "failures": 2,  # the expired lease and the torn load; an abort is no failure
         "expired_leases": 1,
+        "integrity_failures": 1,
         "write_seconds": 2.5,
         "refused_requests": 0,
     }
@@ -56,6 +58,7 @@ def test_reported_stage_is_added_on_decode_only() -> None:
 def test_both_engines_export_the_same_families_under_their_prefix() -> None:
     stats = StatsRecorder()
     stats.record(SEND_DONE, reported_stages(SEND_DONE))
+    stats.record(RECV_TORN, reported_stages(RECV_TORN))
     stats.failure()
     data = stats.take()
     assert data is not None
@@ -71,7 +74,8 @@ def test_both_engines_export_the_same_families_under_their_prefix() -> None:
         metrics.observe(data)
         value = functools.partial(registry.get_sample_value, labels={"model_name": "m"})
         assert value(f"{engine}:pd_connector_bytes_sent_total") == 4096
-        assert value(f"{engine}:pd_connector_failures_total") == 1
+        assert value(f"{engine}:pd_connector_failures_total") == 2
+        assert value(f"{engine}:pd_connector_integrity_failures_total") == 1
         assert value(f"{engine}:pd_connector_bytes_received_total") == 0
         assert value(f"{engine}:pd_connector_transfer_seconds_count") == 1
         assert value(f"{engine}:pd_connector_exposed_seconds_sum") == 0.1

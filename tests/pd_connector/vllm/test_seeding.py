@@ -109,14 +109,45 @@ def test_a_seeded_load_that_failed_without_a_token_ends_with_an_error() -> None:
         assert side.loads_to_fail({"d1"}, tokens) == set()
     side, _ = make_side()
     _loaded(side, {**decode_params(), "pd_seed_first_token": True})
-    assert side.loads_to_fail(set(), {}) == set(), "a load that did not fail"
+    assert side.loads_to_fail(set(), {}) == set(), "a load that did not end this step"
     assert side.loads_to_fail({"d1"}, {"d1": VOCAB}) == {"d1"}, "a token outside the vocabulary seeds nothing"
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "fails"),
+    [
+        ({**decode_params(), "pd_seed_first_token": True}, {"d1": VOCAB - 1}, False),  # last id: a token
+        ({**decode_params(), "pd_seed_first_token": True}, {"d1": VOCAB}, True),  # first id past it
+        ({**decode_params(), "pd_seed_first_token": True}, {"d1": -1}, True),
+        ({**decode_params(), "pd_seed_first_token": True}, {}, True),  # landed, but Done carried no token
+        (_returned(VOCAB - 1), {}, False),  # standard flow: P's answer carries it
+        (_returned(VOCAB), {}, True),
+        (_returned(VOCAB), {"d1": 3}, False),  # Done's token wins over a bad copy in the answer
+        (decode_params(), {"d1": VOCAB}, False),  # not seeded: the token is not used anyway
+    ],
+)
+def test_a_seeded_load_that_ended_without_a_usable_token_ends_with_an_error(
+    params: dict[str, object], tokens: dict[str, int], fails: bool
+) -> None:
+    """The rule is "any seeded load that ended without a usable token", not only a failed one: a load that
+    landed whole but whose token is missing or outside the vocabulary would otherwise decode unseeded and
+    repeat the client's first token. Named requests are neither seeded nor aborted as loads in flight."""
+    side, _ = make_side()
+    req = _loaded(side, params)
+    assert side.loads_to_fail({"d1"}, tokens) == ({"d1"} if fails else set())
+    side.update_connector_output({"d1"}, tokens)
+    if fails:
+        assert req.num_output_tokens == 0
+        req.status = RequestStatus.FINISHED_ERROR
+        assert side.request_finished(req, [3, 4]) == (False, None)  # type: ignore[arg-type]
+        assert side.build_connector_meta(FakeOutput({})).aborted_recvs == []  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("token", [VOCAB, VOCAB + 5, 2**31 - 1])
 def test_a_token_outside_the_vocabulary_is_never_used(token: int) -> None:
     """From a faulty or hostile P (``Done``) or caller (the body): the model's embedding lookup would crash
-    the engine. The request is served unseeded instead."""
+    the engine. ``update_connector_output`` never seeds with it (and ``loads_to_fail`` ends such a request
+    first: test_a_seeded_load_that_ended_without_a_usable_token_ends_with_an_error)."""
     side, _ = make_side()
     req = _loaded(side, {**decode_params(), "pd_seed_first_token": True})
     side.update_connector_output({"d1"}, {"d1": token})
