@@ -82,25 +82,28 @@ class EngineReplica:
         self._server.start()
         try:
             await asyncio.to_thread(self._server.wait_healthy, getattr(parsed, role).start_timeout_s)
-            await self._register()
         except BaseException:
             await asyncio.to_thread(self._server.stop)
             raise
+        await self._register()
 
     async def _register(self) -> None:
+        """Tell the router about this engine (idempotent). A failure is logged, not raised: the router's own
+        health is the router replica's business, and the next health check registers again."""
+
         async def call() -> None:
             await self._router.add_worker.remote(self._role, self._entry)
 
-        await asyncio.wait_for(call(), CALL_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(call(), CALL_TIMEOUT_S)
+        except Exception as e:
+            log.warning("could not register %s with %s: %r", self._entry["url"], ROUTER, e)
 
     async def check_health(self) -> None:
         """Fail (Serve replaces the replica) when the engine exited; else make sure the router knows it."""
         if not self._server.alive():
             raise RuntimeError(f"{self._server.name} exited; log {self._server.log_path}")
-        try:
-            await self._register()
-        except Exception as e:  # the router's own health is the router replica's business
-            log.warning("could not register %s with %s: %r", self._entry["url"], ROUTER, e)
+        await self._register()
 
     async def __del__(self) -> None:
         async def call() -> None:
