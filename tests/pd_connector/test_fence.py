@@ -14,7 +14,6 @@ marker surviving is the fence's doing, not the proxy's.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.loopback import LoopbackFabric, LoopbackTransport
 from pd_connector.transport.tcp import TcpConfig, TcpTransport
 from pd_connector.transport.tcp_wire import PROTOCOL_VERSION, Hello, encode_frame
+from pd_disagg.servers import free_port
 from test_support.fault_proxy import Fault, FaultProxy, Schedule
 from tests.pd_connector.engines import (
     FAST,
@@ -51,12 +51,6 @@ STALL_S = 1.5
 #: (The stall strikes in the chunk that crosses this byte, so it strikes only once P wrote.)
 HELD_AFTER = len(encode_frame(Hello(PROTOCOL_VERSION, bytes(16)))) + 1
 MARKER = 0x5A
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class StalledPair:

@@ -5,7 +5,6 @@ state and no lease behind, and the next transfer, on new connections, goes throu
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -14,6 +13,7 @@ import pytest
 from pd_connector.transfer import TransferEngine, TransferState
 from pd_connector.transport.factory import TransportConfig, create_transport
 from pd_connector.transport.tcp import TcpConfig
+from pd_disagg.servers import free_port
 from test_support.fault_proxy import FaultProxy
 from tests.pd_connector.engines import (
     FAST,
@@ -86,12 +86,6 @@ def _next_transfer_goes_through(
     assert all(pc.tokens(r, SRC, 12) == dc.tokens(r, DST, 12) for r in range(len(pc.arrays)))
     assert proxy.accepted == 2 and proxy.injected == {"reset": 1}
     assert_no_state(p, d)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_data_connection_reset_mid_transfer_fails_both_sides_and_the_next_transfer_redials() -> None:
