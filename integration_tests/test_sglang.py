@@ -4,9 +4,10 @@ First an aggregated SGLang server answers the prompts alone (the reference), the
 a decode server (D) with ``--disaggregation-transfer-backend pd`` replace it (never more than two SGLang
 servers at once). Checks: identical greedy output, also for a prompt P prefills in several chunks and
 through SGLang's own router (``sglang-router``) and pd-router; the transfer metrics on SGLang's /metrics
-(P's bytes sent = D's bytes received = the prompt's KV); a negative control (P sends its first page's KV into
-every page of one room: D's output changes after the first token); and the failure paths end within their
-timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers run with
+(P's bytes sent = D's bytes received = the prompt's KV); P pushes each layer's pages as its forward pass writes
+them (per-layer push counters; its cached prefix before the forward); negative controls (P sends its first
+page's KV into every page of one room: D's output changes after the first token; P drops one layer's pushes:
+the transfer fails); and the failure paths end within their timeouts and free their memory. "Memory freed" is SGLang's own accounting: servers run with
 ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1``, so a leaked page or request slot crashes the scheduler at
 its next idle check; the tests wait until the server is idle with empty queues, then require it to be alive,
 leak-free in its log, and still serving.
@@ -46,12 +47,17 @@ PROMPTS = [
 ]
 # ~150 tokens: with --chunked-prefill-size 48, P prefills (and sends) it in several chunks.
 LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
+# Another several-chunk prompt, sent to P only by the layer-wise test: its first request finds no cached prefix.
+LAYER_PROMPT = "".join(f"item_{i} = table[{i}] + offset({i * 3})\n" for i in range(1, 16))
+CHUNK_TOKENS = 48
+NUM_LAYERS = PRESETS["tiny"].num_layers
 MAX_NEW_TOKENS = 12
-CHUNK = ("--chunked-prefill-size", "48")
+CHUNK = ("--chunked-prefill-size", str(CHUNK_TOKENS))
 METRICS = ("--enable-metrics",)
 #: KV bytes of one token of the tiny model in bfloat16 (SGLang's pages here are one token each).
 TOKEN_KV_BYTES = PRESETS["tiny"].kv_bytes_per_token(2)
 WRONG_KV_ROOM = 4242424242
+SKIP_LAYER_ROOM = 4343434343
 BOOTSTRAP_TIMEOUT_S = 10  # P gives up on a decode partner that never comes
 WAITING_TIMEOUT_S = 15  # D gives up on KV that never comes
 HEARTBEAT_TIMEOUT_S = 3.0  # a dead peer is noticed this fast
@@ -70,7 +76,9 @@ def reference(tiny_model: Path, log_dir: Path) -> dict[str, Reply]:
     """Greedy answers of an aggregated SGLang server (stopped before the P/D pair starts)."""
     server = sglang_server(tiny_model, log_dir=log_dir, name="sglang-agg", extra_args=CHUNK)
     with running(server, timeout_s=420):
-        replies = {p: generate(base_url(server), p, MAX_NEW_TOKENS) for p in [*PROMPTS, LONG_PROMPT]}
+        replies = {
+            p: generate(base_url(server), p, MAX_NEW_TOKENS) for p in [*PROMPTS, LONG_PROMPT, LAYER_PROMPT]
+        }
     for prompt, reply in replies.items():
         assert reply.ok and len(reply.output_ids) == MAX_NEW_TOKENS, (prompt, reply)
     return replies
@@ -94,6 +102,7 @@ def pd_pair(
             **COMMON_ENV,
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S),
             "PD_SGLANG_FAULT_WRONG_KV_ROOMS": str(WRONG_KV_ROOM),
+            "PD_SGLANG_FAULT_SKIP_LAYER_ROOMS": str(SKIP_LAYER_ROOM),
         },
     )
     decode = sglang_server(
@@ -203,6 +212,82 @@ def check_transferred(
     assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
     assert grew(prefill, "transfer_seconds_count") == 1
     assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
+
+
+def _layer_pushes(server: ManagedServer) -> dict[tuple[str, int], float]:
+    """P's layer pushes so far, by (when, layer)."""
+    return {
+        (when, layer): metric(
+            base_url(server), "sglang:pd_connector_layer_pushes_total", {"when": when, "layer": str(layer)}
+        )
+        for when in ("forward", "computed", "chunk")
+        for layer in range(NUM_LAYERS)
+    }
+
+
+def _layer_prompt_pushes(
+    prefill: ManagedServer, decode: ManagedServer, port: int, reference: dict[str, Reply]
+) -> tuple[int, dict[tuple[str, int], float]]:
+    """One P->D request of ``LAYER_PROMPT``: D answers as the aggregated server, P sent and D received exactly
+    the prompt's KV bytes, no failure; returns the prompt's tokens and P's layer pushes it caused."""
+    keys = ("bytes_sent_total", "bytes_received_total", "failures_total")
+    pushes = _layer_pushes(prefill)
+    before = {(s.name, k): _transfer_metric(s, k) for s in (prefill, decode) for k in keys}
+
+    def grew(server: ManagedServer, key: str) -> float:
+        return _transfer_metric(server, key) - before[(server.name, key)]
+
+    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), LAYER_PROMPT, MAX_NEW_TOKENS)
+    assert p.ok and d.ok, (p, d)
+    assert d.output_ids == reference[LAYER_PROMPT].output_ids
+    tokens = int(p.body["meta_info"]["prompt_tokens"])
+    wait_until(
+        lambda: grew(decode, "bytes_received_total") == tokens * TOKEN_KV_BYTES,
+        timeout_s=10,
+        what="D's bytes received",
+    )
+    assert grew(prefill, "bytes_sent_total") == tokens * TOKEN_KV_BYTES
+    assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
+    return tokens, {k: v - pushes[k] for k, v in _layer_pushes(prefill).items()}
+
+
+def _per_layer(forward: int, computed: int, chunk: int) -> dict[tuple[str, int], float]:
+    counts = {"forward": forward, "computed": computed, "chunk": chunk}
+    return {(when, layer): n for when, n in counts.items() for layer in range(NUM_LAYERS)}
+
+
+def test_layer_by_layer_push(pd_pair, reference):
+    """P pushes each layer's pages from the hook after the layer's KV write, once per forward pass (chunk) and
+    layer; only the page of the prompt's last token goes after the forward (SGLang may swap it for a cached
+    copy). Asked again, P's cached prefix goes before the forward. Both times D answers as the aggregated
+    server from exactly the prompt's KV bytes, with no failure."""
+    prefill, decode, port = pd_pair
+    tokens, fresh = _layer_prompt_pushes(prefill, decode, port, reference)
+    forwards = -(-(tokens - 1) // CHUNK_TOKENS)  # the forward passes that compute tokens before the last one
+    assert forwards >= 3, tokens
+    assert fresh == _per_layer(forward=forwards, computed=0, chunk=1), fresh
+    _, cached = _layer_prompt_pushes(prefill, decode, port, reference)
+    assert cached == _per_layer(forward=0, computed=1, chunk=1), cached
+    assert "KV is pushed layer by layer" in prefill.log_path.read_text(errors="replace")
+
+
+def test_negative_control_skipped_layer_fails_the_transfer(pd_pair, reference):
+    """P never pushes the last layer of one room (fault injection): D's pages of that layer are never written,
+    P's Done check finds the hole and the request fails on D, well before D's waiting timeout."""
+    prefill, decode, port = pd_pair
+    _, d = generate_pd(
+        base_url(prefill),
+        base_url(decode),
+        _bootstrap(port),
+        LONG_PROMPT,
+        MAX_NEW_TOKENS,
+        room=SKIP_LAYER_ROOM,
+    )
+    assert not d.ok, d
+    assert d.seconds < WAITING_TIMEOUT_S, d
+    assert f"layer {NUM_LAYERS - 1} is missing tokens" in prefill.log_path.read_text(errors="replace")
+    assert_drained(decode)
+    assert_drained(prefill)
 
 
 def test_transfer_metrics_on_sglang_metrics_endpoint(pd_pair, reference):

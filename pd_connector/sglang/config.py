@@ -19,12 +19,20 @@ from pd_connector.settings import ConnectorSettings, parse
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SGLangBackendConfig(ConnectorSettings):
-    """``ConnectorSettings`` (transport, timeouts, lease, heartbeats, secret, peer policy) and, for tests:"""
+    """``ConnectorSettings`` (transport, timeouts, lease, heartbeats, secret, peer policy), the push mode and,
+    for tests, fault injection."""
 
+    #: P: push each layer's new pages as the forward pass writes them (``layerwise.py``); False: push every layer
+    #: of a chunk after its forward pass (what SGLang's own backends do; the benchmark's comparison).
+    layerwise: bool = True
     #: Fault injection (negative control): for these bootstrap rooms P sends its first page's KV into every page
     #: D asked for (a complete transfer of the wrong bytes: a transfer with holes fails instead), so D decodes
     #: from KV that is not its prompt's. Empty in real use.
     wrong_kv_rooms: frozenset[int] = frozenset()
+    #: Fault injection (negative control): for these bootstrap rooms P never pushes its last layer (it counts as
+    #: pushed), so D's pages of that layer are never written: P's ``Done`` check finds the hole and the transfer
+    #: fails. Empty in real use.
+    skip_layer_rooms: frozenset[int] = frozenset()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SGLangBackendConfig:
@@ -38,5 +46,6 @@ class SGLangBackendConfig(ConnectorSettings):
 #: The environment variable of each setting: the one spelling ``from_env`` reads and docs/configuration.md
 #: (``## SGLang backend``) documents, which tests/test_docs.py checks.
 ENV = {f.name: f"PD_SGLANG_{f.name.upper()}" for f in dataclasses.fields(SGLangBackendConfig)} | {
-    "wrong_kv_rooms": "PD_SGLANG_FAULT_WRONG_KV_ROOMS"
+    "wrong_kv_rooms": "PD_SGLANG_FAULT_WRONG_KV_ROOMS",
+    "skip_layer_rooms": "PD_SGLANG_FAULT_SKIP_LAYER_ROOMS",
 }

@@ -12,9 +12,11 @@ through ``compat.py``. What moves the KV is pd_connector's ``TransferEngine``:
   bootstrap registration (the Common zmq socket of P is not used by this backend);
 - D's receiver, once SGLang has allocated its pages (``send_metadata``), calls ``engine.expect`` with the
   room as transfer id, its page ids and P's side-channel address;
-- P's sender, called once per prefill chunk after the forward pass, offers the request's pages so far,
-  pushes every layer of the chunk's page range, and on the last chunk calls ``finish`` with the first
-  sampled token, which D writes into its metadata row.
+- P pushes each layer's new pages as the forward pass writes them (``layerwise.py``: the manager's
+  ``plan_forward`` before each forward, a hook after each layer's write); P's sender, called once per
+  prefill chunk after the forward pass, offers the chunk's pages, pushes every layer of what no layer-wise
+  push covered (all of it where layer-wise pushing is off or unavailable), and on the last chunk calls
+  ``finish`` with the first sampled token, which D writes into its metadata row.
 
 A background thread per manager turns the engine's results into ``KVPoll`` states (and, with SGLang's
 ``--enable-metrics``, into the ``sglang:pd_connector_*`` metrics of ``stats.py``). Every path ends: P waits
@@ -51,6 +53,7 @@ from pd_connector.sglang.compat import (
 )
 from pd_connector.sglang.config import SGLangBackendConfig
 from pd_connector.sglang.kv_buffers import UnsupportedPool, describe_pool, resolve_dtype
+from pd_connector.sglang.layerwise import ForwardPlan, LayerPusher, transfer_id
 from pd_connector.sglang.stats import TransferMetrics
 from pd_connector.transfer.engine import TransferEngine
 from pd_connector.transfer.types import TransferConfig, TransferResult, TransferState
@@ -59,10 +62,6 @@ logger = logging.getLogger(__name__)
 
 #: How often the result thread drains the transfer engine (seconds): bounds the extra latency of a poll.
 RESULT_POLL_INTERVAL_S = 0.002
-
-
-def _transfer_id(room: int) -> str:
-    return f"sgl-{room}"
 
 
 class PdKVManager(CommonKVManager):
@@ -93,7 +92,6 @@ class PdKVManager(CommonKVManager):
         self.pd_layout, self._pd_buffers = describe_pool(args, dtype, compat.rank_kv_heads(args, server_args))
         self._pd_engine: TransferEngine | None = None
         self._pd_lock = threading.Lock()
-        self._pd_pages: dict[int, list[int]] = {}  # P: room -> pages offered so far
         self._pd_aux: dict[int, int] = {}  # D: room -> metadata row to fill on success
         self._pd_live_recvs: set[int] = set()  # D: rooms whose transfer the engine has not reported yet
         self._pd_stop = threading.Event()
@@ -108,6 +106,16 @@ class PdKVManager(CommonKVManager):
         )
         if self._pd_engine is None:
             self._pd_engine = self._start_engine(listen=False)
+        prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        self._pd_pusher = LayerPusher(
+            self.pd_engine,
+            self.pd_layout.num_layers,
+            layerwise=prefill and self.pd_config.layerwise,
+            wrong_kv_rooms=self.pd_config.wrong_kv_rooms,
+            skip_layer_rooms=self.pd_config.skip_layer_rooms,
+            count=self._pd_metrics.layer_push if self._pd_metrics is not None else None,
+        )
+        self._pd_layerwise_checked = False
         if disaggregation_mode == DisaggregationMode.DECODE:
             self._start_heartbeat_checker_thread()
         self._pd_thread = threading.Thread(target=self._result_loop, name="pd-sglang-results", daemon=True)
@@ -150,9 +158,30 @@ class PdKVManager(CommonKVManager):
     # ---- prefill side (called by PdKVSender on the scheduler thread) -------------------------------------
     def open_send(self, room: int) -> None:
         """Start the sender state and its lease, before D's destinations arrive."""
-        with self._pd_lock:
-            self._pd_pages[room] = []
-        self.pd_engine.offer(_transfer_id(room), [])
+        self._pd_pusher.open(room)
+
+    def plan_forward(self, scheduler: Any, batch: Any) -> tuple[ForwardPlan, LayerPusher] | None:
+        """Before a prefill forward pass (``layerwise.run_batch_hook``): plan the layer-wise push of the batch's
+        rooms (None: nothing to push per layer, or layer-wise pushing is off; the first call decides whether it
+        can be on and logs it). A room that cannot be planned fails."""
+        pusher = self._pd_pusher
+        if not pusher.layerwise:
+            return None
+        if not self._pd_layerwise_checked:
+            self._pd_layerwise_checked = True
+            problem = compat.layerwise_problem(scheduler)
+            if problem is not None:
+                pusher.layerwise = False
+                logger.warning("pd backend: KV is pushed per chunk after each forward pass: %s", problem)
+                return None
+            logger.info("pd backend: KV is pushed layer by layer as the forward pass writes it")
+        plan, failed = pusher.plan(
+            compat.forward_requests(scheduler, batch, self), compat.page_size(scheduler)
+        )
+        for room, error in failed.items():
+            logger.error("pd backend: layer-wise push of room %s cannot be planned: %s", room, error)
+            self.fail_room(room, f"pd backend could not plan the layer-wise push: {error}")
+        return None if plan is None else (plan, pusher)
 
     def add_transfer_request(
         self,
@@ -163,27 +192,15 @@ class PdKVManager(CommonKVManager):
         aux_index: int | None = None,
         **_: Any,
     ) -> None:
-        """One prefill chunk is computed: push its pages of every layer; the last chunk also finishes."""
-        tid = _transfer_id(bootstrap_room)
+        """One prefill chunk is computed: push every layer of its pages no layer-wise push covered; the last
+        chunk also finishes (``Done`` once every write landed)."""
         try:
-            with self._pd_lock:
-                pages = self._pd_pages.setdefault(bootstrap_room, [])
-                pages.extend(int(p) for p in kv_indices)
-                table = list(pages)
-            if len(table) != index_slice.stop:
-                raise ValueError(f"chunk ends at page {index_slice.stop} but {len(table)} pages were offered")
-            if bootstrap_room in self.pd_config.wrong_kv_rooms:
-                logger.warning(
-                    "pd backend: fault injection sends page 0's KV for every page of room %s", bootstrap_room
-                )
-                table = table[:1] * len(table)
-            self.pd_engine.offer(tid, table)
-            if index_slice.stop > index_slice.start:
-                for layer in range(self.pd_layout.num_layers):
-                    self.pd_engine.push_layer(tid, layer, index_slice.start, index_slice.stop)
+            self._pd_pusher.add_chunk(
+                bootstrap_room, [int(p) for p in kv_indices], index_slice.start, index_slice.stop
+            )
             if is_last_chunk:
                 first = read_first_token(self.kv_args, aux_index) if aux_index is not None else None
-                self.pd_engine.finish(tid, first_token=first)
+                self.pd_engine.finish(transfer_id(bootstrap_room), first_token=first)
             self.update_status(bootstrap_room, KVPoll.Transferring)
         except Exception as e:  # never raise into the scheduler
             logger.exception("pd backend: send of room %s failed", bootstrap_room)
@@ -203,7 +220,7 @@ class PdKVManager(CommonKVManager):
                 if aux_index is not None:
                     self._pd_aux[room] = aux_index
             self.pd_engine.expect(
-                _transfer_id(room),
+                transfer_id(room),
                 prefill_addr,
                 pages,
                 num_tokens=len(pages) * self.pd_layout.block_tokens,
@@ -228,11 +245,11 @@ class PdKVManager(CommonKVManager):
 
     def abort_transfer(self, room: int, reason: str) -> None:
         """Tell the engine (and through it the peer) to stop; unknown rooms are ignored."""
+        self._pd_pusher.forget(room)
         with self._pd_lock:
-            self._pd_pages.pop(room, None)
             self._pd_aux.pop(room, None)
         try:
-            self.pd_engine.abort(_transfer_id(room), reason)
+            self.pd_engine.abort(transfer_id(room), reason)
         except Exception:
             logger.exception("pd backend: abort of room %s failed", room)
 
@@ -250,12 +267,10 @@ class PdKVManager(CommonKVManager):
         """P: a room whose decode side sent its destinations may run its prefill (WaitingForInput)."""
         if self.disaggregation_mode != DisaggregationMode.PREFILL:
             return
-        with self._pd_lock:
-            rooms = list(self._pd_pages)
-        for room in rooms:
+        for room in self._pd_pusher.rooms():
             if self.request_status.get(room) != KVPoll.Bootstrapping:
                 continue
-            if self.pd_engine.state(_transfer_id(room)) is TransferState.TRANSFERRING:
+            if self.pd_engine.state(transfer_id(room)) is TransferState.TRANSFERRING:
                 self.update_status(room, KVPoll.WaitingForInput)
 
     def _apply(self, result: TransferResult) -> None:
@@ -264,8 +279,8 @@ class PdKVManager(CommonKVManager):
         if self._pd_metrics is not None:
             self._pd_metrics.record(result, self.pd_engine.counters().layer_seconds)
         room = int(result.transfer_id[4:])
+        self._pd_pusher.forget(room)
         with self._pd_lock:
-            self._pd_pages.pop(room, None)
             aux_index = self._pd_aux.pop(room, None)
             if result.role == "recv":
                 self._pd_live_recvs.discard(room)
@@ -299,7 +314,7 @@ class PdKVManager(CommonKVManager):
         """Open per-room entries here and in the engine (tests and logs check they drain to zero)."""
         with self._pd_lock:
             own = {
-                "pages": len(self._pd_pages),
+                "pages": len(self._pd_pusher.rooms()),
                 "aux": len(self._pd_aux),
                 "live_recvs": len(self._pd_live_recvs),
             }

@@ -4,8 +4,10 @@ SGLang calls ``register()`` early in its launcher, scheduler and detokenizer pro
 arguments). SGLang 0.5.23 has no transfer-backend registry, so this (1) adds ``pd`` to the CLI choices,
 (2) adds a ``PD`` member to its ``TransferBackend`` enum (``TransferBackend("pd")`` is how the scheduler
 reads the flag), and (3) puts an AROUND hook on ``sglang.srt.disaggregation.utils.get_kv_class`` that returns
-``conn.py``'s classes for ``PD`` and defers to SGLang for every other backend. Each of these SGLang internals
-is reached through ``compat.py``.
+``conn.py``'s classes for ``PD`` and defers to SGLang for every other backend, and (4) puts the layer-wise
+push's hooks on ``Scheduler.run_batch`` and ``MHATokenToKVPool.set_kv_buffer`` (``layerwise.py``; they act
+only on a prefill server whose KV manager is ours). Each of these SGLang internals is reached through
+``compat.py``.
 
 Only SGLang releases of ``compat.SUPPORTED_LINE`` (from ``compat.PROVEN_ON`` on) that have every symbol and
 parameter ``compat.SYMBOLS`` and ``compat.PARAMETERS`` list are registered (with a warning on a release other
@@ -20,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pd_connector.sglang import compat
+from pd_connector.sglang import compat, layerwise
 
 logger = logging.getLogger(__name__)
 
@@ -63,5 +65,6 @@ def register() -> None:
         compat.add_backend_choice(BACKEND_NAME)
         compat.add_transfer_backend(BACKEND_NAME)
         compat.hook_get_kv_class(get_kv_class_hook)
+        compat.hook_layerwise(layerwise.run_batch_hook, layerwise.set_kv_buffer_hook)
     except Exception:
         logger.exception("pd_connector: registering the SGLang transfer backend %r failed", BACKEND_NAME)

@@ -10,9 +10,14 @@ nothing reads and where a second manager in one process would collide. ``prometh
 in the scheduler process, never at plugin registration (the launcher imports the plugin before it sets the
 directory, and ``prometheus_client`` picks its storage when first imported).
 
+One family is the SGLang backend's own: ``sglang:pd_connector_layer_pushes_total{when, layer}`` (P), the
+layer pushes by when they were made (``layerwise.FORWARD``: as the forward pass wrote the layer,
+``COMPUTED``: before the forward, of pages computed earlier, ``CHUNK``: after a forward pass), so a test or
+an operator sees whether the KV went layer by layer.
+
 Who calls it: ``conn.PdKVManager`` creates one ``TransferMetrics`` per scheduler process when SGLang exports
 metrics; its result thread calls ``record`` for every ended transfer, the scheduler thread ``failure`` when the
-backend fails a room itself.
+backend fails a room itself and ``layer_push`` for every push of a layer's pages (``layerwise.LayerPusher``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 
-from pd_connector.metrics import PromMetrics, StatsRecorder, reported_stages
+from pd_connector.metrics import PromMetrics, StatsRecorder, counter_name, reported_stages
 from pd_connector.transfer.types import TransferResult
 
 
@@ -38,6 +43,18 @@ class TransferMetrics:
             list(labels),
             {0: list(labels.values())},
         )
+        self._labels = list(labels.values())
+        self._layer_pushes = Counter(
+            counter_name("sglang", "layer_pushes"),
+            "P: pushes of one layer's pages to decode, by when they were made (forward: as the forward pass "
+            "wrote the layer; computed: before the forward, of pages computed earlier; chunk: after a forward).",
+            labelnames=[*labels, "when", "layer"],
+            registry=None,
+        )
+
+    def layer_push(self, when: str, layer: int) -> None:
+        """P pushed ``layer``'s pages of one room (``when``: ``layerwise.FORWARD``, ``COMPUTED`` or ``CHUNK``)."""
+        self._layer_pushes.labels(*self._labels, when, str(layer)).inc()
 
     def record(self, result: TransferResult, layer_write_s: float) -> None:
         """An ended transfer, now applied to its room (D: ``reported``); ``layer_write_s``: the engine's running
