@@ -7,9 +7,9 @@ holds one block of every layer, laid out as the cache lays out a block. A transf
 blocks and returns them when it ends, so the host memory is bounded by the pool (``kv_staging_pool_mib``),
 not by the cache:
 
-- P: before a request's block table is offered, ``reserve`` gives each block a slot; the slot ids, not the
-  cache's block ids, are the table the transfer engine sends from. Each pushed layer's blocks are copied
-  device -> slot (``to_slots``) before the push; the transport reads the slots.
+- P: once D's destinations for a request arrived, ``reserve`` gives each block of its table a slot; the slot
+  ids, not the cache's block ids, are the table the transfer engine sends from. Each pushed layer's blocks
+  are copied device -> slot (``to_slots``) before the push; the transport reads the slots.
 - D: before a load is expected, ``reserve`` gives each of its blocks a slot; the slot ids are the destination
   table D sends P (``Destinations``), so P's transport writes the slots. When the load ended well, its blocks
   are copied slot -> device (``from_slots``) before vLLM reads them.
@@ -140,6 +140,18 @@ class SlotTable:
         ``PoolTooSmall`` when the owner would hold more slots than the pool has, ``ValueError`` when
         ``blocks`` names a block twice.
         """
+        new = self.check_fits(owner, blocks)
+        mine = self._held.get(owner, {})
+        if len(new) > len(self._free):
+            return None
+        mine = self._held.setdefault(owner, mine)
+        for block in new:
+            mine[block] = heapq.heappop(self._free)
+        return [mine[b] for b in blocks]
+
+    def check_fits(self, owner: str, blocks: Sequence[int]) -> list[int]:
+        """The blocks of ``blocks`` ``owner`` holds no slot for; raises ``PoolTooSmall`` when it could never
+        hold them all (more than the pool), ``ValueError`` when ``blocks`` names a block twice."""
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"transfer {owner}: its block table names a block twice")
         mine = self._held.get(owner, {})
@@ -149,12 +161,7 @@ class SlotTable:
                 f"transfer {owner} needs {len(mine) + len(new)} staging slots, the pool has {self.capacity} "
                 "(raise kv_staging_pool_mib)"
             )
-        if len(new) > len(self._free):
-            return None
-        mine = self._held.setdefault(owner, mine)
-        for block in new:
-            mine[block] = heapq.heappop(self._free)
-        return [mine[b] for b in blocks]
+        return new
 
     def release(self, owner: str) -> int:
         """Return ``owner``'s slots to the pool (idempotent); how many it held."""

@@ -48,8 +48,8 @@ class PDConnectorConfig(ConnectorSettings):
     #: Both, when staging: host memory of the staging pool per worker, in MiB (a slot holds one block of every
     #: layer; transfers borrow slots while they run). 0: one slot per cache block (as large as the cache).
     kv_staging_pool_mib: int = 1024
-    #: Both, when staging: how long a transfer waits for free slots before it fails (P: the step waits; D: the
-    #: load is started later, then fails to ``kv_load_failure_policy``).
+    #: Both, when staging: how long a transfer waits for free slots before it fails (P: from D's destinations
+    #: on, its push held back; D: the load is started later, then fails to ``kv_load_failure_policy``).
     kv_staging_wait_s: float = 10.0
     #: EngineCore and workers, on steps that compute nothing (transfers pending): how long vLLM's
     #: shared-memory queue readers spin after a message before they sleep until notified (vLLM's own: 1 s).

@@ -9,11 +9,12 @@ in docs/architecture.md). Every engine call returns at once; bytes move on the e
 - D (consumer): ``start_load_kv`` expects each request the scheduler parked in WAITING_FOR_REMOTE_KVS
   (vLLM calls it after the forward pass: nothing in D's forward waits on these loads).
 When the cache is staged (``pd_connector.staging``: a device cache behind tcp or cma, or ``kv_staging =
-always``), the engine sees slot ids of a bounded host pool instead of block ids: P reserves slots when it
-offers a table (waiting at most ``kv_staging_wait_s`` while transfers end, then aborting that transfer) and
-copies each pushed layer into them; D reserves slots before it expects a load (a load that finds none waits
-in a queue, started as slots free up or failed after ``kv_staging_wait_s``) and copies a load that ended
-well out of them. Every transfer returns its slots when the engine reports its end.
+always``), the engine sees slot ids of a bounded host pool instead of block ids: P holds a push back until
+D's destinations arrived, then reserves its slots (waiting at most ``kv_staging_wait_s`` while transfers
+end, then aborting it), copies the layers pushed so far into them and each later one as it is pushed; D
+reserves slots before it expects a load (a load that finds none waits in a queue, started as slots free up or
+failed after ``kv_staging_wait_s``) and copies a load that ended well out of them. Every transfer returns its
+slots when the engine reports its end.
 ``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids, and
 ``first_tokens`` hands the tokens of D's finished loads to the scheduler side (first-token seeding). A P
 transfer that ended is reported to vLLM only once its request also finished in P's scheduler (vLLM frees
@@ -54,8 +55,8 @@ class _Held:
     """P: what a push waiting for staging slots did meanwhile, replayed from the device cache (which keeps
     the request's blocks until vLLM is told the push ended) once the slots come."""
 
-    deadline: float
     block_ids: list[int]  # the latest table offered
+    deadline: float | None = None  # set when it could use slots (D's destinations arrived)
     pushes: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, first, end) table positions
     finished: tuple[int | None] | None = None  # (first token,) once P's scheduler finished the request
 
@@ -211,20 +212,31 @@ class WorkerSide:
             push.report = finished.report
 
     def _offer(self, spec: SendSpec) -> None:
-        """Offer ``spec``'s block table (staged: the slots standing for it). Without free slots the push is
-        held (``_Held``) and offered with no blocks yet, so D's destinations wait for it at P's engine."""
+        """Offer ``spec``'s block table (staged: the slots standing for it).
+
+        Staged, a push takes slots only once D's destinations arrived (until then it is held, ``_Held``, and
+        offered with no blocks, so D's destinations wait for it at P's engine): P's slots are then only ever
+        held by transfers whose D holds its own, which can always finish, so P's and D's pools never wait on
+        each other. A longer table of a push holding slots is held too when the pool cannot extend it."""
         push = self._pushes.setdefault(spec.req_id, _Push(spec.transfer_id))
         self._pushing[spec.transfer_id] = spec.req_id
         if push.held is not None:  # still waiting: the table grew
             push.held.block_ids = list(spec.block_ids)
             return
+        owner = _owner("send", spec.transfer_id)
         try:
-            table = self._reserve(_owner("send", spec.transfer_id), spec.block_ids)
+            if self._staging is not None and not self._staging.table.slots(owner):
+                self._staging.table.check_fits(owner, self._kernel(spec.block_ids))
+                table = None
+            else:
+                table = self._reserve(owner, spec.block_ids)
         except ValueError as exc:  # PoolTooSmall, or a table naming a block twice
             self._abort_push(push, spec.prompt_hash, str(exc))
             return
         if table is None:
-            push.held = _Held(time.monotonic() + self._config.kv_staging_wait_s, list(spec.block_ids))
+            push.held = _Held(list(spec.block_ids))
+            if push.offered:  # holds slots, so D's destinations are there: the wait starts now
+                push.held.deadline = time.monotonic() + self._config.kv_staging_wait_s
         if not push.offered:
             self._eng.offer(spec.transfer_id, table or [], spec.prompt_hash)
             push.offered = True
@@ -256,14 +268,19 @@ class WorkerSide:
         self._eng.push_layer(transfer_id, layer, first * self._per_block, end * self._per_block)
 
     def _release_held(self) -> None:
-        """Give the pushes waiting for staging slots their slots, in order while they suffice, and replay
-        what they missed; one still without slots after ``kv_staging_wait_s`` is aborted (D's load fails and
-        falls back), never left waiting. Pushes behind one that waits wait too (first come, first served)."""
+        """Give the held pushes whose D's destinations arrived their slots, in order while they suffice, and
+        replay what they missed; one still without slots ``kv_staging_wait_s`` after its destinations came is
+        aborted (D's load fails and falls back), never left waiting. Pushes behind one that waits wait too
+        (first come, first served); one whose D never comes ends with P's lease."""
         now, blocked = time.monotonic(), False
         for push, held in [(p, p.held) for p in self._pushes.values() if p.held is not None]:
             if push.ended is not None:  # ended while it waited (lease): nothing to replay
                 push.held = None
                 continue
+            if held.deadline is None:
+                if self._eng.state(push.transfer_id) is not TransferState.TRANSFERRING:
+                    continue  # no destinations yet: it needs no slots
+                held.deadline = now + self._config.kv_staging_wait_s
             try:
                 table = None if blocked else self._reserve(_owner("send", push.transfer_id), held.block_ids)
             except ValueError as exc:  # the table grew past the pool while it waited

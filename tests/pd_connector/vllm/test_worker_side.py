@@ -363,14 +363,14 @@ D_TABLES = {"d0": [15, 5, 12, 3], "d1": [11, 6, 8, 2], "d2": [7, 13, 4, 1]}
 def test_staged_transfers_larger_than_the_pool_take_turns_and_land_every_byte(
     make_pair: Callable[..., Pair], transport: str
 ) -> None:
-    """The staged path through every transport with a pool smaller than the transfers in flight: the third
-    request waits on both sides (P holds its pushes back, D queues its load) until the first two return their
-    slots, then reuses them; every block lands, nothing fails, every slot comes back."""
+    """The staged path through every transport with a pool smaller than the transfers in flight (12 blocks,
+    10 slots on each side): D queues the third load and P holds the third push back until the first two
+    return their slots, then they reuse them; every block lands, nothing fails, every slot comes back."""
     pair = make_pair(*staged(transport=transport))
     assert free_slots(pair.p) == free_slots(pair.d) == 10
     pair.d_step([RecvSpec(f"d{i}", f"T{i}", pair.addr, D_TABLES[f"d{i}"], 0, 120) for i in range(3)])
+    assert free_slots(pair.d) == 2, "the third load waits"
     pair.p_step([SendSpec(f"p{i}", f"T{i}", P_TABLES[f"p{i}"], 0, 120, 120) for i in range(3)])
-    assert free_slots(pair.p) == free_slots(pair.d) == 2, "the third request waits on both sides"
     pair.p_step([], [FinishedSend(f"p{i}", ok=True, report=True, first_token=i) for i in range(3)])
     pair.wait(lambda: len(pair.recv) == 3 and len(pair.sent) == 3)
     assert pair.failed == set()
@@ -385,43 +385,69 @@ def test_staged_transfers_larger_than_the_pool_take_turns_and_land_every_byte(
 
 
 def test_staging_slots_come_back_when_transfers_fail_abort_or_expire(make_pair: Callable[..., Pair]) -> None:
-    """Every end returns a transfer's slots: D's load timeout, P's lease expiry, P's abort, D's abort of a
-    started load and of one still queued (finished, not failed, never expected)."""
-    p_config, d_config = staged(lease_s=0.5, load_timeout_s=0.5, abort_grace_s=0.5)
-    pair = make_pair(p_config, d_config)
-    pair.d_step([RecvSpec("d0", "never-offered", pair.addr, [1, 2, 3, 4, 5, 6, 7, 8], 0, 250)])
-    pair.d_step([RecvSpec("d1", "aborted-by-d", pair.addr, [9], 0, 10)])
-    pair.d_step([RecvSpec("d2", "queued", pair.addr, [10, 11], 0, 40)])  # 1 slot left: queued
-    assert free_slots(pair.d) == 1
+    """Every end returns a transfer's slots: D's load timeout, D's abort of a started load and of one still
+    queued (finished, not failed, never expected), P's lease expiring after a first chunk, P's abort. P takes
+    slots only once D's destinations arrived."""
+    pair = make_pair(*staged(lease_s=0.5, load_timeout_s=1.0, abort_grace_s=0.5))
+    pair.d_step(
+        [
+            RecvSpec("d0", "never-offered", pair.addr, [1, 2], 0, 64),
+            RecvSpec("d1", "aborted-by-d", pair.addr, [3], 0, 10),
+            RecvSpec("d3", "lease", pair.addr, [4, 5], 0, 64),
+            RecvSpec("d4", "aborted-by-p", pair.addr, [6, 7], 0, 64),
+            RecvSpec("d2", "queued", pair.addr, [8, 9, 10, 11, 12], 0, 150),  # 3 slots left: queued
+        ]
+    )
+    assert free_slots(pair.d) == 3
     pair.d_step(aborted=["d1", "d2"])
-    pair.p_step([SendSpec("p0", "lease", [1, 2], 0, 40, 40), SendSpec("p1", "aborted-by-p", [3], 0, 10, 10)])
-    pair.p_step([], [FinishedSend("p0", ok=True, report=True), FinishedSend("p1", ok=False, report=True)])
-    pair.wait(lambda: pair.recv == {"d0", "d1", "d2"} and pair.sent == {"p0", "p1"})
-    assert pair.failed == {"d0"}, "the timed-out load failed; D's aborts are finished, not failed"
+    pair.p_step(
+        [SendSpec("p3", "lease", [1, 2], 0, 32, 64), SendSpec("p4", "aborted-by-p", [3, 4], 0, 32, 64)]
+    )
+    pair.wait(lambda: free_slots(pair.p) == 6, timeout_s=5)  # both took their slots once D's tables came
+    pair.p_step([], [FinishedSend("p4", ok=False, report=True)])
+    pair.wait(lambda: pair.p._pushes["p3"].ended is not None)  # the lease expired
+    pair.p_step([], [FinishedSend("p3", ok=True, report=True)])
+    pair.wait(lambda: pair.recv == {"d0", "d1", "d2", "d3", "d4"} and pair.sent == {"p3", "p4"})
+    assert pair.failed == {"d0", "d3", "d4"}, "D's aborts are finished, not failed"
     assert free_slots(pair.p) == free_slots(pair.d) == 10
 
 
-def test_a_transfer_without_slots_fails_clearly_and_falls_back(make_pair: Callable[..., Pair]) -> None:
-    """Back-pressure is bounded: a load or push that gets no slots within ``kv_staging_wait_s`` fails (D's
-    request then falls back as other failed loads do), and one needing more slots than the pool has fails at
-    once; neither waits forever nor is dropped silently, and the held slots all come back."""
-    p_config, d_config = staged(kv_staging_wait_s=0.3)
-    pair = make_pair(p_config, d_config)
+def test_a_load_without_slots_fails_clearly_and_falls_back(make_pair: Callable[..., Pair]) -> None:
+    """Back-pressure on D is bounded: a load that gets no slots within ``kv_staging_wait_s`` fails (its
+    request then falls back as other failed loads do), one needing more slots than the pool has fails at once;
+    neither waits forever nor is dropped silently."""
+    pair = make_pair(*staged(kv_staging_wait_s=0.3))
     pair.d_step([RecvSpec("d0", "holder", pair.addr, list(range(9)), 0, 280)])  # holds 9 of D's 10 slots
     pair.d_step([RecvSpec("d1", "waits", pair.addr, [9, 10], 0, 40)])
     pair.d_step([RecvSpec("d2", "too-big", pair.addr, list(range(11)), 0, 350)])
     pair.wait(lambda: {"d1", "d2"} <= pair.recv)
     assert pair.failed == {"d1", "d2"} and pair.d.take_failed_blocks() == set(range(11))
-    pair.p_step([SendSpec("p0", "holder", list(range(9)), 0, 280, 280)])  # D's load of it goes through
-    pair.p_step([SendSpec("p1", "held", [9, 10], 0, 40, 40)])  # waits for slots p0 holds, then aborts
-    pair.p_step([SendSpec("p2", "huge", list(range(11)), 0, 350, 350)])
-    pair.wait(lambda: {"p1", "p2"} <= set(pair.p._pushes) and pair.p._pushes["p1"].ended is not None)
-    pair.p_step([], [FinishedSend(f"p{i}", ok=True, report=True) for i in range(3)])
-    pair.wait(lambda: pair.sent == {"p0", "p1", "p2"} and "d0" in pair.recv)
-    assert pair.failed == {"d1", "d2"} and equal(pair, list(range(9)), list(range(9)))
+    pair.d_step(aborted=["d0"])
+    pair.wait(lambda: "d0" in pair.recv)
+    assert free_slots(pair.d) == 10
+
+
+def test_a_push_without_slots_is_aborted_and_its_load_falls_back(make_pair: Callable[..., Pair]) -> None:
+    """Back-pressure on P is bounded the same way: a push whose D is ready but that gets no slots within
+    ``kv_staging_wait_s`` is aborted (D's load fails and falls back), one needing more slots than the pool has
+    at once; the push holding slots goes through and every slot comes back."""
+    p_config, _ = staged(kv_staging_wait_s=0.3)
+    _, d_config = staged(kv_staging_pool_mib=2)  # 16 slots (one per cache block): room for both loads
+    pair = make_pair(p_config, d_config)
+    tables = {"holder": list(range(9)), "held": [9, 10], "huge": list(range(11))}
+    tokens = {"holder": 280, "held": 40, "huge": 350}
+    pair.d_step([RecvSpec(f"d-{t}", t, pair.addr, b, 0, tokens[t]) for t, b in tables.items() if t != "huge"])
+    pair.p_step([SendSpec("p-holder", "holder", tables["holder"], 0, 280, 280)])
+    pair.wait(lambda: free_slots(pair.p) == 1, timeout_s=5)
+    pair.p_step([SendSpec(f"p-{t}", t, tables[t], 0, tokens[t], tokens[t]) for t in ("held", "huge")])
+    pair.wait(lambda: "d-held" in pair.recv)
+    assert pair.failed == {"d-held"}
+    pair.p_step([], [FinishedSend(f"p-{t}", ok=True, report=True) for t in tables])
+    pair.wait(lambda: len(pair.sent) == 3 and "d-holder" in pair.recv)
+    assert pair.failed == {"d-held"} and equal(pair, tables["holder"], tables["holder"])
     stats = pair.p.stats()
     assert stats is not None and stats.data["transfers_sent"] == 1
-    assert free_slots(pair.p) == free_slots(pair.d) == 10
+    assert free_slots(pair.p) == 10 and free_slots(pair.d) == 16
 
 
 @pytest.mark.parametrize("staging", ["auto", "always"])
