@@ -126,9 +126,10 @@ def test_chunked_prefill_lands_block_for_block(make_pair: Callable[..., Pair]) -
     assert stats is not None and stats.data["transfers_sent"] == 1 and stats.data["bytes_sent"] > 0
 
 
-def test_staged_caches_land_block_for_block_through_host_mirrors(make_pair: Callable[..., Pair]) -> None:
-    """``kv_staging = always``: the transport moves host mirrors, P fills its mirror per pushed layer and D
-    copies a finished load out of its mirror: the path a CUDA cache takes with tcp or cma, same code."""
+def test_staged_caches_land_block_for_block_through_host_slots(make_pair: Callable[..., Pair]) -> None:
+    """``kv_staging = always`` (default pool: a slot per cache block here): the transport moves host slots, P
+    fills its slots per pushed layer and D copies a finished load out of its slots: the path a CUDA cache
+    takes with tcp or cma, same code."""
     pair = make_pair(
         p=PDConnectorConfig(lease_s=5, kv_staging="always"),
         d=PDConnectorConfig(load_timeout_s=5, kv_staging="always"),
