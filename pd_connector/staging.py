@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pd_connector.layout import KVLayout, merged_runs
+from pd_connector.layout import KVLayout, kernel_block_ids, merged_runs
 from pd_connector.transport.base import MemoryType
 
 #: How a worker's KV cache reaches the transport: registered as it is, or through host slots.
@@ -250,3 +250,54 @@ class StagingPool:
         with torch.cuda.stream(self._stream):
             yield
         self._stream.synchronize()
+
+
+def transfer_owner(role: str, transfer_id: str) -> str:
+    """Who holds a transfer's slots: one side (``send``/``recv``) of it, as a kv_both worker may run both."""
+    return f"{role}:{transfer_id}"
+
+
+class BlockTables:
+    """What a worker's transfer engine is given for KV-manager blocks: the cache's kernel blocks (direct), or
+    the staging slots that stand for them (staged), per transfer ``owner``. Both halves of the vLLM worker
+    side (``pd_connector.vllm.worker_side`` for D, ``worker_pushes`` for P) go through it, so neither
+    branches on staging."""
+
+    def __init__(self, per_block: int, pool: StagingPool | None) -> None:
+        #: Kernel blocks per KV-manager block (1 unless the attention backend uses smaller kernel blocks).
+        self.per_block = per_block
+        self.pool = pool
+
+    def kernel(self, blocks: Sequence[int]) -> list[int]:
+        """The cache's blocks of KV-manager ``blocks`` (the same ids unless the backend uses kernel blocks)."""
+        return kernel_block_ids(blocks, self.per_block)
+
+    def reserve(self, owner: str, blocks: Sequence[int]) -> list[int] | None:
+        """The table for manager ``blocks``: the cache's blocks, or slots standing for them; None when too few
+        slots are free now (raises ``PoolTooSmall`` when there never will be enough)."""
+        table = self.kernel(blocks)
+        return table if self.pool is None else self.pool.reserve(owner, table)
+
+    def holds_slots(self, owner: str) -> bool:
+        """Whether ``owner`` holds staging slots (direct: always, the cache's blocks stand for themselves)."""
+        return self.pool is None or bool(self.pool.table.slots(owner))
+
+    def check_fits(self, owner: str, blocks: Sequence[int]) -> None:
+        """Raise ``PoolTooSmall`` when manager ``blocks`` could never get slots (direct: they always fit)."""
+        if self.pool is not None:
+            self.pool.table.check_fits(owner, self.kernel(blocks))
+
+    def to_slots(self, owner: str, layer: int, blocks: Sequence[int]) -> None:
+        """P, staged: copy ``layer`` of manager ``blocks`` into ``owner``'s slots before the push reads them."""
+        if self.pool is not None:
+            self.pool.to_slots(owner, layer, self.kernel(blocks))
+
+    def from_slots(self, owner: str, blocks: Sequence[int]) -> None:
+        """D, staged: copy a load that ended well out of ``owner``'s slots into manager ``blocks``."""
+        if self.pool is not None:
+            self.pool.from_slots(owner, self.kernel(blocks))
+
+    def release(self, owner: str) -> None:
+        """Return ``owner``'s slots, if any (its transfer ended)."""
+        if self.pool is not None:
+            self.pool.release(owner)

@@ -5,7 +5,8 @@
 - ``scheduler_side.py``: per-request decisions in the EngineCore process; ``metadata.py``: what it hands
   the worker each step.
 - ``worker_side.py``: the hooks next to the KV tensors, driving one ``pd_connector.transfer.TransferEngine``
-  (which speaks ``pd_connector.protocol`` to the peer and moves bytes with a ``pd_connector.transport``).
+  (which speaks ``pd_connector.protocol`` to the peer and moves bytes with a ``pd_connector.transport``);
+  P's pushes in ``worker_pushes.py``.
 - ``config.py``: ``kv_connector_extra_config``; ``stats.py``: the ``vllm:pd_connector_*`` metrics.
 - ``compat/``: the vLLM versions it is proven on and every vLLM internal the project touches (also used by
   ``scheduler_plugins.vllm`` and ``pd-vllm``), checked at start.

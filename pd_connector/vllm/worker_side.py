@@ -2,45 +2,41 @@
 
 Maps vLLM's per-step and per-layer hooks onto one ``pd_connector.transfer.TransferEngine`` (see the table
 in docs/architecture.md). Every engine call returns at once; bytes move on the engine's I/O thread, so:
-- P (producer): ``bind`` offers each scheduled request's block table (again per chunk), ``save_kv_layer``
-  (called right after each attention layer wrote its KV) pushes that layer's new blocks while the next layer
-  computes, and a request P's scheduler finished (``FinishedSend``, with the token P sampled) finishes its
-  transfer: ``Done`` carries that token to D.
+- P (producer): ``bind`` and ``save_kv_layer`` go to ``worker_pushes.Pushes``, which offers each scheduled
+  request's block table, pushes each layer's new blocks while the next layer computes, and finishes a push
+  once P's scheduler finished its request (``Done`` carries the token P sampled).
 - D (consumer): ``start_load_kv`` expects each request the scheduler parked in WAITING_FOR_REMOTE_KVS
   (vLLM calls it after the forward pass: nothing in D's forward waits on these loads).
 When the cache is staged (``pd_connector.staging``: a device cache behind tcp or cma, or ``kv_staging =
-always``), the engine sees slot ids of a bounded host pool instead of block ids: P holds a push back until
-D's destinations arrived, then reserves its slots (waiting at most ``kv_staging_wait_s`` while transfers
-end, then aborting it), copies the layers pushed so far into them and each later one as it is pushed; D
-reserves slots before it expects a load (a load that finds none waits in a queue, started as slots free up or
-failed after ``kv_staging_wait_s``) and copies a load that ended well out of them. Every transfer returns its
-slots when the engine reports its end.
+always``), the engine sees slot ids of a bounded host pool instead of block ids (``staging.BlockTables``):
+D reserves slots before it expects a load (a load that finds none waits in a queue, started as slots free up
+or failed after ``kv_staging_wait_s``) and copies a load that ended well out of them; P's side is described
+in ``worker_pushes``. Every transfer returns its slots when the engine reports its end.
 ``transfer_results`` turns the engine's ended transfers into vLLM's finished/failed request ids, and
-``first_tokens`` hands the tokens of D's finished loads to the scheduler side (first-token seeding). A P
-transfer that ended is reported to vLLM only once its request also finished in P's scheduler (vLLM frees
-blocks of finished requests only); one that ended early (D gone) is no longer fed by later chunks.
+``first_tokens`` hands the tokens of D's finished loads to the scheduler side (first-token seeding).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from pd_connector.layout import kernel_block_ids, sends_heads
+from pd_connector.layout import sends_heads
 from pd_connector.metrics import reported_stages
-from pd_connector.staging import StagingPool, byte_views, plan, pool_slots
+from pd_connector.staging import BlockTables, StagingPool, byte_views, plan, pool_slots, transfer_owner
 from pd_connector.trace import TraceRecord, TraceWriter
 from pd_connector.transfer import TransferEngine, TransferResult, TransferState
 from pd_connector.transport.base import HOST
 from pd_connector.transport.factory import create_transport
 from pd_connector.vllm.compat import TPRank, kv_layout
 from pd_connector.vllm.config import PDConnectorConfig
-from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata, RecvSpec, SendSpec
+from pd_connector.vllm.metadata import FirstTokens, PDConnectorMetadata, RecvSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
+from pd_connector.vllm.worker_pushes import Pushes
 
 #: Longest pause of an idle engine step while transfers are pending (bounds the spin); the step goes on at
 #: once when a transfer ends, so a finished load waits for no timer.
@@ -48,33 +44,6 @@ IDLE_STEP_PAUSE_S = 0.005
 
 # Under "vllm." so records go through the handlers vLLM configures in its processes.
 logger = logging.getLogger(f"vllm.{__name__}")
-
-
-@dataclass
-class _Held:
-    """P: what a push waiting for staging slots did meanwhile, replayed from the device cache (which keeps
-    the request's blocks until vLLM is told the push ended) once the slots come."""
-
-    block_ids: list[int]  # the latest table offered
-    deadline: float | None = None  # set when it could use slots (D's destinations arrived)
-    pushes: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, first, end) table positions
-    finished: tuple[int | None] | None = None  # (first token,) once P's scheduler finished the request
-
-
-@dataclass
-class _Push:
-    """P: one request this rank pushes, from its first offer until vLLM was told it ended."""
-
-    transfer_id: str
-    ended: TransferResult | None = None  # the engine's result: no more pushes
-    report: bool | None = None  # P's scheduler finished the request: tell vLLM (True) or not (False)
-    offered: bool = False  # the engine knows the transfer (it ends and reports only those)
-    aborted: bool = False  # abort sent (P's scheduler aborted it, or no staging slots came)
-    held: _Held | None = None  # waiting for staging slots
-
-    @property
-    def live(self) -> bool:
-        return self.ended is None and self.report is None and not self.aborted
 
 
 @dataclass
@@ -108,16 +77,14 @@ class WorkerSide:
         self._engine_id = f"{engine_id}-tp{self._tp.rank}" if self._tp.size > 1 else engine_id
         self._block_size = block_size
         self._num_blocks = num_blocks
-        self._per_block = 1  # kernel blocks per KV manager block (set from the cache's shape)
         self._producer = producer
         self._consumer = consumer
         self._stats = StatsRecorder()
         self._engine: TransferEngine | None = None
         self._sends = producer  # False on a P rank whose heads every D takes from a lower rank
         self._layer_index: dict[str, int] = {}
-        # P: each request's push by request id, and the request id of each transfer the engine still runs.
-        self._pushes: dict[str, _Push] = {}
-        self._pushing: dict[str, str] = {}
+        self._tables = BlockTables(1, None)  # set from the cache's shape and the staging plan
+        self._pushes: Pushes | None = None  # P: set when the caches are registered
         # D: each request's load by request id, the request id of each load in flight, the loads that could
         # not even start (reported failed at the next step), and the blocks of loads reported failed since the
         # last ``take_failed_blocks`` (for vLLM builds that learn failures as block ids).
@@ -129,7 +96,6 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._first_tokens: dict[str, int] = {}  # D: P's first token of loads finished, until reported
         self._trace = TraceWriter(config.trace_path) if config.trace_path else None
-        self._staging: StagingPool | None = None  # a device cache behind a host-only transport
         self._ended: list[TransferResult] = []  # collected from the engine, not yet reported to vLLM
 
     # ---- start-up ----
@@ -140,15 +106,17 @@ class WorkerSide:
         a bounded pool of pinned host slots (``staging``: a CUDA cache with tcp or cma)."""
         kv = kv_layout(kv_caches, self._num_blocks, self._tp, self._block_size)
         layout, buffers, memory = kv.layout, kv.buffers, kv.memory
-        self._per_block = max(1, self._block_size // layout.block_tokens)
+        per_block = max(1, self._block_size // layout.block_tokens)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._sends = self._producer and sends_heads(layout)
         transport = create_transport(self._config.transport_config())
         path = "staged" if self._config.kv_staging == "always" else plan(kv.memory, transport.memory_types)
+        staging: StagingPool | None = None  # a device cache behind a host-only transport
         if path == "staged":
-            slots = pool_slots(layout, self._num_blocks * self._per_block, self._config.kv_staging_pool_mib)
-            self._staging = StagingPool(layout, byte_views(list(kv_caches.values()), kv.buffers), slots)
-            layout, buffers, memory = self._staging.layout, self._staging.host_buffers(), HOST
+            slots = pool_slots(layout, self._num_blocks * per_block, self._config.kv_staging_pool_mib)
+            staging = StagingPool(layout, byte_views(list(kv_caches.values()), kv.buffers), slots)
+            layout, buffers, memory = staging.layout, staging.host_buffers(), HOST
+        self._tables = BlockTables(per_block, staging)
         self._engine = TransferEngine(
             self._config.transfer_config(self._engine_id, listen=self._producer, tp_rank=self._tp.rank),
             layout,
@@ -162,11 +130,14 @@ class WorkerSide:
             transport.name,
             path,
             kv.memory,
-            "" if self._staging is None else f", {self._staging.table.capacity} staging slots",
+            "" if staging is None else f", {staging.table.capacity} staging slots",
             self._engine.address,
             layout,
             "" if self._sends or not self._producer else " (its heads are sent by a lower TP rank)",
         )
+        if self._producer:
+            wait_s = self._config.kv_staging_wait_s
+            self._pushes = Pushes(self._engine, self._tables, self._block_size, self._tp, wait_s)
 
     @property
     def side_channel_addr(self) -> str | None:
@@ -180,136 +151,22 @@ class WorkerSide:
 
     # ---- P ----
 
-    def _live(self, spec: SendSpec) -> bool:
-        push = self._pushes.get(spec.req_id)
-        return push is None or push.live
+    @property
+    def _p(self) -> Pushes:
+        if self._pushes is None:
+            raise RuntimeError("PDConnector: KV caches were never registered")
+        return self._pushes
 
     def bind(self, meta: PDConnectorMetadata) -> None:
-        """Before the forward: offer this step's block tables; apply requests P's scheduler finished.
-
-        A rank that sends nothing (its heads replicated on a lower rank) offers nothing, and reports each
-        finished request at once: vLLM frees the blocks once every rank reported it."""
+        """Before the forward: offer this step's block tables; apply requests P's scheduler finished."""
         if not self._producer:
             return
         self._drain()
-        self._release_held()  # pushes waiting for slots go before this step's new ones
-        for spec in meta.sends:
-            if self._sends and self._live(spec):
-                self._offer(spec)
-        for finished in meta.finished_sends:
-            push = self._pushes.get(finished.req_id)
-            if push is None:
-                # Never offered (no step ran for it, or this rank sends nothing): nothing to wait for.
-                push = self._pushes[finished.req_id] = _Push("", _never_offered(finished.req_id))
-            elif push.ended is None and not finished.ok:
-                self._abort_push(push, b"", "request aborted on the prefill side", warn=False)
-            elif push.held is not None:
-                push.held.finished = (finished.first_token,)
-            elif push.ended is None and not push.aborted:
-                # Every push of the prompt was issued by earlier steps (a finished request is not
-                # scheduled again): Done follows once they landed, with the token D may continue from.
-                self._eng.finish(push.transfer_id, finished.first_token)
-            push.report = finished.report
-
-    def _offer(self, spec: SendSpec) -> None:
-        """Offer ``spec``'s block table (staged: the slots standing for it).
-
-        Staged, a push takes slots only once D's destinations arrived (until then it is held, ``_Held``, and
-        offered with no blocks, so D's destinations wait for it at P's engine): P's slots are then only ever
-        held by transfers whose D holds its own, which can always finish, so P's and D's pools never wait on
-        each other. A longer table of a push holding slots is held too when the pool cannot extend it."""
-        push = self._pushes.setdefault(spec.req_id, _Push(spec.transfer_id))
-        self._pushing[spec.transfer_id] = spec.req_id
-        if push.held is not None:  # still waiting: the table grew
-            push.held.block_ids = list(spec.block_ids)
-            return
-        owner = _owner("send", spec.transfer_id)
-        try:
-            if self._staging is not None and not self._staging.table.slots(owner):
-                self._staging.table.check_fits(owner, self._kernel(spec.block_ids))
-                table = None
-            else:
-                table = self._reserve(owner, spec.block_ids)
-        except ValueError as exc:  # PoolTooSmall, or a table naming a block twice
-            self._abort_push(push, spec.prompt_hash, str(exc))
-            return
-        if table is None:
-            push.held = _Held(list(spec.block_ids))
-            if push.offered:  # holds slots, so D's destinations are there: the wait starts now
-                push.held.deadline = time.monotonic() + self._config.kv_staging_wait_s
-        if not push.offered:
-            self._eng.offer(spec.transfer_id, table or [], spec.prompt_hash)
-            push.offered = True
-        elif table is not None:
-            self._eng.offer(spec.transfer_id, table)
+        self._p.bind(meta, self._sends)
 
     def save_kv_layer(self, meta: PDConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
-        if not self._sends or not meta.sends:
-            return
-        layer = self._layer_index[layer_name]
-        for spec in meta.sends:
-            if not self._live(spec):
-                continue
-            first = spec.start_token // self._block_size
-            end = -(-spec.end_token // self._block_size)
-            if spec.corrupt and self._tp.rank == self._tp.size - 1:  # one rank: every rank's bytes must count
-                kv_layer[self._kernel(spec.block_ids[first:end])] = 0
-            held = self._pushes[spec.req_id].held
-            if held is not None:
-                held.pushes.append((layer, first, end))
-            else:
-                self._push(spec.transfer_id, spec.block_ids, layer, first, end)
-
-    def _push(self, transfer_id: str, block_ids: Sequence[int], layer: int, first: int, end: int) -> None:
-        """Push ``layer``'s manager table positions ``[first, end)``; staged, copy them into their slots first
-        (the transport reads the slots)."""
-        if self._staging is not None:
-            self._staging.to_slots(_owner("send", transfer_id), layer, self._kernel(block_ids[first:end]))
-        self._eng.push_layer(transfer_id, layer, first * self._per_block, end * self._per_block)
-
-    def _release_held(self) -> None:
-        """Give the held pushes whose D's destinations arrived their slots, in order while they suffice, and
-        replay what they missed; one still without slots ``kv_staging_wait_s`` after its destinations came is
-        aborted (D's load fails and falls back), never left waiting. Pushes behind one that waits wait too
-        (first come, first served); one whose D never comes ends with P's lease."""
-        now, blocked = time.monotonic(), False
-        for push, held in [(p, p.held) for p in self._pushes.values() if p.held is not None]:
-            if push.ended is not None:  # ended while it waited (lease): nothing to replay
-                push.held = None
-                continue
-            if held.deadline is None:
-                if self._eng.state(push.transfer_id) is not TransferState.TRANSFERRING:
-                    continue  # no destinations yet: it needs no slots
-                held.deadline = now + self._config.kv_staging_wait_s
-            try:
-                table = None if blocked else self._reserve(_owner("send", push.transfer_id), held.block_ids)
-            except ValueError as exc:  # the table grew past the pool while it waited
-                self._abort_push(push, b"", str(exc))
-                continue
-            if table is None:
-                blocked = True
-                if now >= held.deadline:
-                    wait_s = self._config.kv_staging_wait_s
-                    self._abort_push(push, b"", f"no free staging slot within {wait_s} s")
-                continue
-            push.held = None
-            self._eng.offer(push.transfer_id, table)
-            for layer, first, end in held.pushes:
-                self._push(push.transfer_id, held.block_ids, layer, first, end)
-            if held.finished is not None:
-                self._eng.finish(push.transfer_id, held.finished[0])
-
-    def _abort_push(self, push: _Push, prompt_hash: bytes, reason: str, warn: bool = True) -> None:
-        """Abort ``push``'s transfer; the engine reports its end (offering it first if it never was)."""
-        if push.aborted:
-            return
-        if warn:
-            logger.warning("PDConnector: push of %s aborted: %s", push.transfer_id, reason)
-        if not push.offered:
-            self._eng.offer(push.transfer_id, [], prompt_hash)
-            push.offered = True
-        push.aborted, push.held = True, None
-        self._eng.abort(push.transfer_id, reason)
+        if self._sends and meta.sends:
+            self._p.save_kv_layer(meta, self._layer_index[layer_name], kv_layer)
 
     # ---- D ----
 
@@ -344,7 +201,11 @@ class WorkerSide:
         for req_id, (spec, deadline) in list(self._queued.items()):
             table: list[int] | None = None
             try:
-                table = None if blocked else self._reserve(_owner("recv", spec.transfer_id), spec.block_ids)
+                table = (
+                    None
+                    if blocked
+                    else self._tables.reserve(transfer_owner("recv", spec.transfer_id), spec.block_ids)
+                )
             except ValueError as exc:  # PoolTooSmall, or a table naming a block twice
                 self._fail_unstarted(req_id, str(exc))
                 continue
@@ -366,7 +227,7 @@ class WorkerSide:
                     prompt_hash=spec.prompt_hash,
                 )
             except ValueError as exc:
-                self._release(_owner("recv", spec.transfer_id))
+                self._tables.release(transfer_owner("recv", spec.transfer_id))
                 self._fail_unstarted(req_id, str(exc))
                 continue
             self._loading[spec.transfer_id] = req_id
@@ -378,21 +239,7 @@ class WorkerSide:
         self._stats.failure()
         self._unstarted.append(req_id)
 
-    # ---- staging ----
-
-    def _kernel(self, blocks: Sequence[int]) -> list[int]:
-        """The cache's blocks of KV manager ``blocks`` (the same ids unless the backend uses kernel blocks)."""
-        return kernel_block_ids(blocks, self._per_block)
-
-    def _reserve(self, owner: str, blocks: Sequence[int]) -> list[int] | None:
-        """The table the engine gets for manager ``blocks``: the cache's blocks (direct), or the staging slots
-        that stand for them; None when too few slots are free now (raises ``PoolTooSmall``: never enough)."""
-        table = self._kernel(blocks)
-        return table if self._staging is None else self._staging.reserve(owner, table)
-
-    def _release(self, owner: str) -> None:
-        if self._staging is not None:
-            self._staging.release(owner)
+    # ---- both ----
 
     def _drain(self) -> None:
         """Collect the transfers that ended from the engine. A staged one returns its slots here, a load that
@@ -400,15 +247,13 @@ class WorkerSide:
         if self._engine is None:
             return
         for result in self._engine.poll():
-            owner = _owner(result.role, result.transfer_id)
-            if self._staging is not None and result.role == "recv" and result.state is TransferState.DONE:
+            owner = transfer_owner(result.role, result.transfer_id)
+            if result.role == "recv" and result.state is TransferState.DONE:
                 req_id = self._loading.get(result.transfer_id)
                 if req_id is not None:
-                    self._staging.from_slots(owner, self._kernel(self._loads[req_id].blocks))
-            self._release(owner)
+                    self._tables.from_slots(owner, self._loads[req_id].blocks)
+            self._tables.release(owner)
             self._ended.append(result)
-
-    # ---- both ----
 
     def transfer_results(
         self, meta: PDConnectorMetadata | None = None
@@ -420,12 +265,13 @@ class WorkerSide:
         prefill on the other core. On such idle steps the worker waits for a transfer to end, at most
         ``IDLE_STEP_PAUSE_S``.
         """
-        pending = self._loading or self._pushing or self._queued
+        pending = self._loading or self._queued or (self._pushes is not None and self._pushes.pending)
         if meta is not None and meta.idle_step and pending and self._engine:
             self._engine.wait(IDLE_STEP_PAUSE_S)
         self._drain()
         # Slots the ended transfers freed go to the transfers waiting for them.
-        self._release_held()
+        if self._pushes is not None:
+            self._pushes.release_held()
         self._start_queued()
         recving: set[str] = set(self._unstarted) | set(self._dropped)
         failed: set[str] = set(self._unstarted)
@@ -434,10 +280,7 @@ class WorkerSide:
         ended, self._ended = self._ended, []
         for result in ended:
             if result.role == "send":
-                req_id = self._pushing.pop(result.transfer_id, None)
-                self._record(result, req_id)
-                if req_id is not None:
-                    self._pushes[req_id].ended = result
+                self._record(result, self._p.ended(result))
             else:
                 req_id = self._loading.pop(result.transfer_id, None)
                 self._record(result, req_id)
@@ -460,10 +303,7 @@ class WorkerSide:
             load = self._loads.pop(req_id, None)
             if req_id in failed and load is not None:
                 self._failed_blocks.update(load.blocks)
-        sending: set[str] = set()
-        for req_id in [r for r, p in self._pushes.items() if p.ended is not None and p.report is not None]:
-            if self._pushes.pop(req_id).report:
-                sending.add(req_id)
+        sending = set() if self._pushes is None else self._pushes.reportable()
         return sending, recving, failed
 
     def first_tokens(self) -> FirstTokens | None:
@@ -508,14 +348,3 @@ class WorkerSide:
             self._engine.close()
         if self._trace is not None:
             self._trace.close()
-
-
-def _owner(role: str, transfer_id: str) -> str:
-    """The staging owner of one side of a transfer (a kv_both worker may run both sides of one id)."""
-    return f"{role}:{transfer_id}"
-
-
-def _never_offered(req_id: str) -> TransferResult:
-    return TransferResult(
-        transfer_id="", role="send", state=TransferState.ABORTED, reason=f"{req_id} not offered"
-    )
