@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from integration_tests.pd_checks import metric, wait_until
 from integration_tests.sglang_client import (
@@ -189,71 +190,63 @@ def _transfer_metric(server: ManagedServer, key: str) -> float:
 
 
 def check_transferred(
-    prefill: ManagedServer, decode: ManagedServer, port: int, reference: dict[str, Reply]
-) -> None:
-    """One P->D request of ``LONG_PROMPT`` (several chunks): D answers as the aggregated server, and the
-    backend's metrics on both /metrics say the prompt's KV moved, exactly, with no failure."""
-    keys = ("bytes_sent_total", "bytes_received_total", "failures_total", "transfer_seconds_count")
-    before = {(s.name, k): _transfer_metric(s, k) for s in (prefill, decode) for k in keys}
-
-    def grew(server: ManagedServer, key: str) -> float:
-        return _transfer_metric(server, key) - before[(server.name, key)]
-
-    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), LONG_PROMPT, MAX_NEW_TOKENS)
-    assert p.ok and d.ok, (p, d)
-    assert d.output_ids == reference[LONG_PROMPT].output_ids
-    wait_until(
-        lambda: grew(prefill, "bytes_sent_total") > 0 and grew(decode, "bytes_received_total") > 0,
-        timeout_s=10,
-        what="the transfer on both /metrics",
-    )
-    prompt_tokens = p.body["meta_info"]["prompt_tokens"]
-    assert grew(prefill, "bytes_sent_total") == prompt_tokens * TOKEN_KV_BYTES
-    assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
-    assert grew(prefill, "transfer_seconds_count") == 1
-    assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
-
-
-def _layer_pushes(server: ManagedServer) -> dict[tuple[str, int], float]:
-    """P's layer pushes so far, by (when, layer)."""
-    return {
-        (when, layer): metric(
-            base_url(server), "sglang:pd_connector_layer_pushes_total", {"when": when, "layer": str(layer)}
-        )
-        for when in ("forward", "computed", "chunk")
-        for layer in range(NUM_LAYERS)
-    }
-
-
-def _layer_prompt_pushes(
-    prefill: ManagedServer, decode: ManagedServer, port: int, reference: dict[str, Reply]
+    prefill: ManagedServer,
+    decode: ManagedServer,
+    port: int,
+    reference: dict[str, Reply],
+    prompt: str = LONG_PROMPT,
 ) -> tuple[int, dict[tuple[str, int], float]]:
-    """One P->D request of ``LAYER_PROMPT``: D answers as the aggregated server, P sent and D received exactly
-    the prompt's KV bytes, no failure; returns the prompt's tokens and P's layer pushes it caused."""
-    keys = ("bytes_sent_total", "bytes_received_total", "failures_total")
+    """One P->D request of ``prompt`` (several chunks): D answers as the aggregated server, and the backend's
+    metrics on both /metrics say the prompt's KV moved, exactly, with no failure. Returns the prompt's tokens
+    and the layer pushes P made for it."""
+    keys = ("bytes_sent_total", "bytes_received_total", "failures_total", "transfer_seconds_count")
     pushes = _layer_pushes(prefill)
     before = {(s.name, k): _transfer_metric(s, k) for s in (prefill, decode) for k in keys}
 
     def grew(server: ManagedServer, key: str) -> float:
         return _transfer_metric(server, key) - before[(server.name, key)]
 
-    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), LAYER_PROMPT, MAX_NEW_TOKENS)
+    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS)
     assert p.ok and d.ok, (p, d)
-    assert d.output_ids == reference[LAYER_PROMPT].output_ids
-    tokens = int(p.body["meta_info"]["prompt_tokens"])
+    assert d.output_ids == reference[prompt].output_ids
     wait_until(
-        lambda: grew(decode, "bytes_received_total") == tokens * TOKEN_KV_BYTES,
+        lambda: grew(prefill, "bytes_sent_total") > 0 and grew(decode, "bytes_received_total") > 0,
         timeout_s=10,
-        what="D's bytes received",
+        what="the transfer on both /metrics",
     )
-    assert grew(prefill, "bytes_sent_total") == tokens * TOKEN_KV_BYTES
+    prompt_tokens = int(p.body["meta_info"]["prompt_tokens"])
+    assert grew(prefill, "bytes_sent_total") == prompt_tokens * TOKEN_KV_BYTES
+    assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
+    assert grew(prefill, "transfer_seconds_count") == 1
     assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
-    return tokens, {k: v - pushes[k] for k, v in _layer_pushes(prefill).items()}
+    return prompt_tokens, {k: v - pushes[k] for k, v in _layer_pushes(prefill).items()}
+
+
+def _layer_pushes(server: ManagedServer) -> dict[tuple[str, int], float]:
+    """P's layer pushes so far, by (when, layer), from one read of its /metrics (0 where none happened)."""
+    with urllib.request.urlopen(base_url(server) + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    pushes = {(when, layer): 0.0 for when in ("forward", "computed", "chunk") for layer in range(NUM_LAYERS)}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sglang:pd_connector_layer_pushes_total":
+                pushes[(sample.labels["when"], int(sample.labels["layer"]))] += sample.value
+    return pushes
 
 
 def _per_layer(forward: int, computed: int, chunk: int) -> dict[tuple[str, int], float]:
     counts = {"forward": forward, "computed": computed, "chunk": chunk}
     return {(when, layer): n for when, n in counts.items() for layer in range(NUM_LAYERS)}
+
+
+def _fresh_pushes(tokens: int) -> dict[tuple[str, int], float]:
+    """P's layer pushes for a prompt of ``tokens`` it never saw: every layer once per forward pass (chunk) that
+    computes tokens before the last one, during the pass; the last token's page after the last pass."""
+    return _per_layer(forward=-(-(tokens - 1) // CHUNK_TOKENS), computed=0, chunk=1)
+
+
+#: ... and for a prompt it has cached: the prefix before the forward, the last token's page after it.
+CACHED_PUSHES = _per_layer(forward=0, computed=1, chunk=1)
 
 
 def test_layer_by_layer_push(pd_pair, reference):
@@ -262,12 +255,11 @@ def test_layer_by_layer_push(pd_pair, reference):
     copy). Asked again, P's cached prefix goes before the forward. Both times D answers as the aggregated
     server from exactly the prompt's KV bytes, with no failure."""
     prefill, decode, port = pd_pair
-    tokens, fresh = _layer_prompt_pushes(prefill, decode, port, reference)
-    forwards = -(-(tokens - 1) // CHUNK_TOKENS)  # the forward passes that compute tokens before the last one
-    assert forwards >= 3, tokens
-    assert fresh == _per_layer(forward=forwards, computed=0, chunk=1), fresh
-    _, cached = _layer_prompt_pushes(prefill, decode, port, reference)
-    assert cached == _per_layer(forward=0, computed=1, chunk=1), cached
+    tokens, fresh = check_transferred(prefill, decode, port, reference, LAYER_PROMPT)
+    assert tokens > 3 * CHUNK_TOKENS
+    assert fresh == _fresh_pushes(tokens), fresh
+    _, cached = check_transferred(prefill, decode, port, reference, LAYER_PROMPT)
+    assert cached == CACHED_PUSHES, cached
     assert "KV is pushed layer by layer" in prefill.log_path.read_text(errors="replace")
 
 
@@ -510,9 +502,12 @@ def lane_pairs(
 
 @pytest.mark.parametrize("lane", RUN_LANES)
 def test_data_plane_under_sglang(lane_pairs, lane, reference):
-    """UCX (shared memory, tcp) and cma move SGLang's KV as tcp does: output as aggregated, exact bytes."""
+    """UCX (shared memory, tcp) and cma move SGLang's KV as tcp does, layer by layer: output as aggregated,
+    exact bytes, each layer pushed during each forward pass (on a P that served the prompt before, its cached
+    prefix before the forward: the two ucx lanes share one P)."""
     prefill, decode, port = lane_pairs(lane)
     transport = LANES[lane][0]
     for server in (prefill, decode):
         assert f"pd_connector data plane: {transport}" in server.log_path.read_text(errors="replace")
-    check_transferred(prefill, decode, port, reference)
+    tokens, pushes = check_transferred(prefill, decode, port, reference)
+    assert pushes in (_fresh_pushes(tokens), CACHED_PUSHES), pushes
