@@ -9,7 +9,7 @@ Llama-3-8B-like model: 8 KV heads x 128 dims x bf16, 32 layers, K and V in separ
 blocks (``[heads, tokens, dim]``, vLLM's HND layout: a head's part of a block is contiguous, which is what lets
 different TP sizes exchange head ranges). Each rank holds its share of the heads (``layout.rank_heads``), and
 the copies are what the connector issues: ``layout.head_plan`` says which P rank sends which heads to which D
-rank, ``layout.BlockMapping`` turns that into coalesced runs, and each P rank posts one write per layer per D
+rank, ``block_mapping.BlockMapping`` turns that into coalesced runs, and each P rank posts one write per layer per D
 rank it feeds, all layers in flight, then waits. Bytes are the model's KV of the prompt, each head once.
 
 On this machine all P ranks share one process (one transport each) and its two cores; on real hardware each
@@ -40,7 +40,8 @@ from benchmarks.kv_shapes import (
     huge_pages,
     small_pages,
 )
-from pd_connector.layout import BlockMapping, KVLayout, head_plan, rank_heads
+from pd_connector.block_mapping import BlockMapping
+from pd_connector.layout import KVLayout, head_plan, rank_heads
 from pd_connector.transport.base import BlockCopy, Transport
 from pd_connector.transport.cma import CmaConfig
 from pd_connector.transport.factory import TransportConfig, create_transport

@@ -29,7 +29,8 @@ import msgspec
 import numpy as np
 
 from benchmarks.helper_process import Helper, wait_for_exit
-from pd_connector.layout import BlockMapping, KVLayout
+from pd_connector.block_mapping import BlockMapping
+from pd_connector.layout import KVLayout
 from pd_connector.transfer import TransferConfig, TransferEngine, TransferState
 from pd_connector.transport.base import Transport
 from pd_connector.transport.factory import TransportConfig, create_transport

@@ -38,7 +38,8 @@ import msgspec
 import numpy as np
 import torch
 
-from pd_connector.layout import KVLayout, kernel_block_ids, merged_runs
+from pd_connector.block_mapping import kernel_block_ids, merged_runs
+from pd_connector.layout import KVLayout
 from pd_connector.transport.base import MemoryType
 
 #: How a worker's KV cache reaches the transport: registered as it is, or through host slots.

@@ -10,7 +10,8 @@ import asyncio
 import dataclasses
 
 from pd_connector import control
-from pd_connector.layout import BlockMapping, KVLayout
+from pd_connector.block_mapping import BlockMapping
+from pd_connector.layout import KVLayout
 from pd_connector.protocol import Abort, Checksums, Destinations
 from pd_connector.timeline import Timeline
 from pd_connector.transfer.types import TransferState

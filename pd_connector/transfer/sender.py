@@ -19,7 +19,7 @@ import time
 from concurrent.futures import Future
 
 from pd_connector import control
-from pd_connector.layout import BlockMapping
+from pd_connector.block_mapping import BlockMapping
 from pd_connector.protocol import (
     Abort,
     Ack,

@@ -1,7 +1,7 @@
 """Turn a list of block copies into few large runs: the one coalescer of the connector.
 
 Who calls it: every transport's ``write`` (through ``regions.plan``, on the thread that plans the write).
-``layout.BlockMapping.runs`` merges its vectors into runs itself (it knows both sides' strides).
+``block_mapping.BlockMapping.runs`` merges its vectors into runs itself (it knows both sides' strides).
 
 Engines hand over one entry per block (vLLM block ids); a 4096-token prompt is 256 entries per layer. Sorting
 by (region, source, destination) and merging runs that are contiguous on *both* sides makes that a handful

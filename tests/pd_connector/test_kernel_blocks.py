@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd_connector.block_mapping import BlockMapping, kernel_block_ids
 from pd_connector.kv_tensors import describe
-from pd_connector.layout import BlockMapping, kernel_block_ids
 from tests.pd_connector.test_kv_tensors import KINDS, _apply, _index, pairs
 
 pytestmark = pytest.mark.unit

@@ -15,8 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd_connector.block_mapping import BlockMapping
 from pd_connector.kv_tensors import KVTensors, describe
-from pd_connector.layout import BlockMapping, HeadSlice, LayoutMismatch, check_compatible, head_plan
+from pd_connector.layout import HeadSlice, LayoutMismatch, check_compatible, head_plan
 from pd_connector.transport.base import BlockCopy
 from pd_connector.transport.regions import host_view
 

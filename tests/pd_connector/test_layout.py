@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pd_connector.layout import BlockMapping, KVLayout, LayoutMismatch, check_compatible
+from pd_connector.block_mapping import BlockMapping
+from pd_connector.layout import KVLayout, LayoutMismatch, check_compatible
 from pd_connector.transport.base import BlockCopy
 
 VLLM_CPU = KVLayout(

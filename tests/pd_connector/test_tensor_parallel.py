@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pd_connector.block_mapping import BlockMapping
 from pd_connector.layout import (
-    BlockMapping,
     HeadSlice,
     KVLayout,
     LayoutMismatch,

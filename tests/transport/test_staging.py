@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pd_connector.block_mapping import BlockMapping
 from pd_connector.kv_tensors import KVTensors, describe
-from pd_connector.layout import BlockMapping
 from pd_connector.staging import StagingPool, byte_views, plan
 from pd_connector.transport import ucp_ffi
 from pd_connector.transport.base import BlockCopy, MemoryRegion

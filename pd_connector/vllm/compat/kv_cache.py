@@ -107,7 +107,7 @@ def kv_layout(
     block): ``C`` is K then V of one head and token, or MLA's latent (one "head"). An attention backend whose
     kernels take blocks smaller than the KV manager's (``block_size`` tokens, 0: not checked) gets the cache
     as ``num_blocks * r`` kernel blocks of ``block_size / r`` tokens; the layout then describes a kernel block
-    (``layout.kernel_block_ids`` maps the manager's block tables onto them). Other shapes (kernel blocks of a
+    (``block_mapping.kernel_block_ids`` maps the manager's block tables onto them). Other shapes (kernel blocks of a
     packed cache, with other layers' pages between them; an odd ``C``) are refused with a clear error.
     """
     tp = tp or TPRank()
