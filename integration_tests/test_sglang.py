@@ -24,39 +24,40 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from integration_tests.pd_checks import metric, wait_until
+from integration_tests.sglang_checks import (
+    CACHED_PUSHES,
+    CHUNK_TOKENS,
+    LONG_PROMPT,
+    MAX_NEW_TOKENS,
+    NUM_LAYERS,
+    assert_drained,
+    bootstrap,
+    check_transferred,
+    fresh_pushes,
+)
 from integration_tests.sglang_client import (
     Reply,
     body,
     generate,
     generate_pd,
-    get_json,
     new_room,
     post,
     stream_then_disconnect,
 )
 from pd_disagg.engines import base_url, router_server, sglang_router, sglang_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port, running
-from pd_disagg.tiny_model import PRESETS
+from tests.polling import wait_until
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "import os\nimport sys\n\n",
     "class Request:\n    def __init__(self",
 ]
-# ~150 tokens: with --chunked-prefill-size 48, P prefills (and sends) it in several chunks.
-LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
 # Another several-chunk prompt, sent to P only by the layer-wise test: its first request finds no cached prefix.
 LAYER_PROMPT = "".join(f"item_{i} = table[{i}] + offset({i * 3})\n" for i in range(1, 16))
-CHUNK_TOKENS = 48
-NUM_LAYERS = PRESETS["tiny"].num_layers
-MAX_NEW_TOKENS = 12
 CHUNK = ("--chunked-prefill-size", str(CHUNK_TOKENS))
 METRICS = ("--enable-metrics",)
-#: KV bytes of one token of the tiny model in bfloat16 (SGLang's pages here are one token each).
-TOKEN_KV_BYTES = PRESETS["tiny"].kv_bytes_per_token(2)
 WRONG_KV_ROOM = 4242424242
 SKIP_LAYER_ROOM = 4343434343
 BOOTSTRAP_TIMEOUT_S = 10  # P gives up on a decode partner that never comes
@@ -127,55 +128,10 @@ def pd_pair(
     return prefill, decode, bootstrap_port
 
 
-def _bootstrap(port: int) -> tuple[str, int]:
-    return ("127.0.0.1", port)
-
-
-def assert_drained(server: ManagedServer, timeout_s: float = 30) -> None:
-    """Wait until ``server`` has no request in any queue, then require it alive and leak-free.
-
-    SGLang's idle self-check (strict mode) runs once the scheduler is idle with empty queues; a leaked
-    page or request slot raises there and kills the scheduler, which the health check then sees.
-    """
-    deadline = time.monotonic() + timeout_s
-    loads: object = None
-    while time.monotonic() < deadline:
-        loads = get_json(base_url(server) + "/v1/loads")
-        if _idle(loads):
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"{server.name} still has requests after {timeout_s}s: {loads}")
-    time.sleep(2)  # let a few idle self-checks run
-    assert server.alive(), server.log_tail()
-    log = server.log_path.read_text(errors="replace")
-    assert "leak detected" not in log.lower(), server.log_tail()
-    assert "Mem Leak Detected" not in log, server.log_tail()
-
-
-def _idle(loads: object) -> bool:
-    """True when every count of requests (running, queued, bootstrapping, transferring) is zero."""
-    counts: list[int] = []
-
-    def walk(node: object, key: str = "") -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, k)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v, key)
-        elif isinstance(node, int) and key.startswith("num_") and key.endswith("reqs"):
-            counts.append(node)
-
-    walk(loads)
-    assert counts, f"/v1/loads reports no request counts: {loads}"
-    return not any(counts)
-
-
 def test_disaggregated_output_equals_aggregated(pd_pair, reference):
     prefill, decode, port = pd_pair
     for prompt in [*PROMPTS, LONG_PROMPT]:
-        p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS)
+        p, d = generate_pd(base_url(prefill), base_url(decode), bootstrap(port), prompt, MAX_NEW_TOKENS)
         assert p.ok, p
         assert d.ok, d
         assert d.output_ids == reference[prompt].output_ids, (prompt, d.body, reference[prompt].body)
@@ -183,70 +139,6 @@ def test_disaggregated_output_equals_aggregated(pd_pair, reference):
     assert "(recv) done" in decode.log_path.read_text(errors="replace")
     assert_drained(prefill)
     assert_drained(decode)
-
-
-def _transfer_metric(server: ManagedServer, key: str) -> float:
-    return metric(base_url(server), f"sglang:pd_connector_{key}")
-
-
-def check_transferred(
-    prefill: ManagedServer,
-    decode: ManagedServer,
-    port: int,
-    reference: dict[str, Reply],
-    prompt: str = LONG_PROMPT,
-) -> tuple[int, dict[tuple[str, int], float]]:
-    """One P->D request of ``prompt`` (several chunks): D answers as the aggregated server, and the backend's
-    metrics on both /metrics say the prompt's KV moved, exactly, with no failure. Returns the prompt's tokens
-    and the layer pushes P made for it."""
-    keys = ("bytes_sent_total", "bytes_received_total", "failures_total", "transfer_seconds_count")
-    pushes = _layer_pushes(prefill)
-    before = {(s.name, k): _transfer_metric(s, k) for s in (prefill, decode) for k in keys}
-
-    def grew(server: ManagedServer, key: str) -> float:
-        return _transfer_metric(server, key) - before[(server.name, key)]
-
-    p, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS)
-    assert p.ok and d.ok, (p, d)
-    assert d.output_ids == reference[prompt].output_ids
-    wait_until(
-        lambda: grew(prefill, "bytes_sent_total") > 0 and grew(decode, "bytes_received_total") > 0,
-        timeout_s=10,
-        what="the transfer on both /metrics",
-    )
-    prompt_tokens = int(p.body["meta_info"]["prompt_tokens"])
-    assert grew(prefill, "bytes_sent_total") == prompt_tokens * TOKEN_KV_BYTES
-    assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
-    assert grew(prefill, "transfer_seconds_count") == 1
-    assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
-    return prompt_tokens, {k: v - pushes[k] for k, v in _layer_pushes(prefill).items()}
-
-
-def _layer_pushes(server: ManagedServer) -> dict[tuple[str, int], float]:
-    """P's layer pushes so far, by (when, layer), from one read of its /metrics (0 where none happened)."""
-    with urllib.request.urlopen(base_url(server) + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    pushes = {(when, layer): 0.0 for when in ("forward", "computed", "chunk") for layer in range(NUM_LAYERS)}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "sglang:pd_connector_layer_pushes_total":
-                pushes[(sample.labels["when"], int(sample.labels["layer"]))] += sample.value
-    return pushes
-
-
-def _per_layer(forward: int, computed: int, chunk: int) -> dict[tuple[str, int], float]:
-    counts = {"forward": forward, "computed": computed, "chunk": chunk}
-    return {(when, layer): n for when, n in counts.items() for layer in range(NUM_LAYERS)}
-
-
-def _fresh_pushes(tokens: int) -> dict[tuple[str, int], float]:
-    """P's layer pushes for a prompt of ``tokens`` it never saw: every layer once per forward pass (chunk) that
-    computes tokens before the last one, during the pass; the last token's page after the last pass."""
-    return _per_layer(forward=-(-(tokens - 1) // CHUNK_TOKENS), computed=0, chunk=1)
-
-
-#: ... and for a prompt it has cached: the prefix before the forward, the last token's page after it.
-CACHED_PUSHES = _per_layer(forward=0, computed=1, chunk=1)
 
 
 def test_layer_by_layer_push(pd_pair, reference):
@@ -257,7 +149,7 @@ def test_layer_by_layer_push(pd_pair, reference):
     prefill, decode, port = pd_pair
     tokens, fresh = check_transferred(prefill, decode, port, reference, LAYER_PROMPT)
     assert tokens > 3 * CHUNK_TOKENS
-    assert fresh == _fresh_pushes(tokens), fresh
+    assert fresh == fresh_pushes(tokens), fresh
     _, cached = check_transferred(prefill, decode, port, reference, LAYER_PROMPT)
     assert cached == CACHED_PUSHES, cached
     assert "KV is pushed layer by layer" in prefill.log_path.read_text(errors="replace")
@@ -270,7 +162,7 @@ def test_negative_control_skipped_layer_fails_the_transfer(pd_pair, reference):
     _, d = generate_pd(
         base_url(prefill),
         base_url(decode),
-        _bootstrap(port),
+        bootstrap(port),
         LONG_PROMPT,
         MAX_NEW_TOKENS,
         room=SKIP_LAYER_ROOM,
@@ -294,7 +186,7 @@ def test_negative_control_wrong_kv_changes_output(pd_pair, reference):
     prefill, decode, port = pd_pair
     prompt = LONG_PROMPT
     p, d = generate_pd(
-        base_url(prefill), base_url(decode), _bootstrap(port), prompt, MAX_NEW_TOKENS, room=WRONG_KV_ROOM
+        base_url(prefill), base_url(decode), bootstrap(port), prompt, MAX_NEW_TOKENS, room=WRONG_KV_ROOM
     )
     assert p.ok and d.ok, (p, d)
     expected = reference[prompt].output_ids
@@ -307,7 +199,7 @@ def _assert_alone_times_out(server: ManagedServer, port: int, prompt: str, timeo
     """A request sent to one side of the pair only fails, within ``timeout_s`` (plus slack), not later."""
     reply = post(
         base_url(server) + "/generate",
-        body(prompt, 4, _bootstrap(port), new_room()),
+        body(prompt, 4, bootstrap(port), new_room()),
         timeout_s=timeout_s + 60,
     )
     assert not reply.ok, reply
@@ -331,7 +223,7 @@ def test_decode_without_prefill_times_out(pd_pair):
 def test_client_abort_frees_memory(pd_pair, reference):
     """The client disconnects from D mid-stream: D aborts the request and frees its pages; both go on serving."""
     prefill, decode, port = pd_pair
-    payload = body(PROMPTS[2], 400, _bootstrap(port), new_room())
+    payload = body(PROMPTS[2], 400, bootstrap(port), new_room())
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -341,7 +233,7 @@ def test_client_abort_frees_memory(pd_pair, reference):
     assert seen == 2
     assert_drained(decode)
     assert_drained(prefill)
-    _, d = generate_pd(base_url(prefill), base_url(decode), _bootstrap(port), PROMPTS[0], MAX_NEW_TOKENS)
+    _, d = generate_pd(base_url(prefill), base_url(decode), bootstrap(port), PROMPTS[0], MAX_NEW_TOKENS)
     assert d.output_ids == reference[PROMPTS[0]].output_ids
 
 
@@ -392,12 +284,14 @@ def test_through_sglang_router_output_equals_aggregated(pd_pair, reference, log_
     with running(router, timeout_s=60):
         # The router is healthy before it has checked and added its workers (in the background): wait for
         # its first answer that is not "no worker available".
-        deadline = time.monotonic() + 90
-        while True:
-            first = generate(base_url(router), PROMPTS[0], MAX_NEW_TOKENS)
-            if first.status != 503 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
+        answers = []
+
+        def answered() -> bool:
+            answers.append(generate(base_url(router), PROMPTS[0], MAX_NEW_TOKENS))
+            return answers[-1].status != 503
+
+        wait_until(answered, 90, "sglang-router's first answer that is not 503")
+        first = answers[-1]
         assert first.ok, first
         assert first.output_ids == reference[PROMPTS[0]].output_ids, first.body
         for prompt in (PROMPTS[1], LONG_PROMPT):
@@ -416,7 +310,7 @@ def test_prefill_death_fails_decode_within_heartbeat_timeout(pd_pair):
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         d = pool.submit(
-            post, base_url(decode) + "/generate", body(PROMPTS[1], 4, _bootstrap(port), new_room()), 120
+            post, base_url(decode) + "/generate", body(PROMPTS[1], 4, bootstrap(port), new_room()), 120
         )
         time.sleep(3)  # D bootstrapped and sent its destinations
         killed_at = time.monotonic()
@@ -510,4 +404,4 @@ def test_data_plane_under_sglang(lane_pairs, lane, reference):
     for server in (prefill, decode):
         assert f"pd_connector data plane: {transport}" in server.log_path.read_text(errors="replace")
     tokens, pushes = check_transferred(prefill, decode, port, reference)
-    assert pushes in (_fresh_pushes(tokens), CACHED_PUSHES), pushes
+    assert pushes in (fresh_pushes(tokens), CACHED_PUSHES), pushes

@@ -1,0 +1,132 @@
+"""What the SGLang integration tests read off real SGLang servers: idle and leak-free, and proof that KV moved.
+
+SGLang's counterpart of ``pd_checks`` (the vLLM tests'): ``assert_drained`` waits until a server has no
+request left and requires it alive with no leak in its log (servers run with SGLang's strict idle memory
+check); ``check_transferred`` sends one P->D request and checks, from both servers' /metrics, that exactly
+the prompt's KV moved with no failure, and returns P's per-layer pushes for it (``layer_pushes``,
+``fresh_pushes``). Used by ``integration_tests/test_sglang.py``.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from integration_tests.pd_checks import metric
+from integration_tests.sglang_client import Reply, generate_pd, get_json
+from pd_disagg.engines import base_url
+from pd_disagg.servers import ManagedServer
+from pd_disagg.tiny_model import PRESETS
+from tests.polling import wait_until
+
+# ~150 tokens: with --chunked-prefill-size 48, P prefills (and sends) it in several chunks.
+LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
+CHUNK_TOKENS = 48
+NUM_LAYERS = PRESETS["tiny"].num_layers
+MAX_NEW_TOKENS = 12
+#: KV bytes of one token of the tiny model in bfloat16 (SGLang's pages here are one token each).
+TOKEN_KV_BYTES = PRESETS["tiny"].kv_bytes_per_token(2)
+
+
+def bootstrap(port: int) -> tuple[str, int]:
+    """P's bootstrap server on this host."""
+    return ("127.0.0.1", port)
+
+
+def assert_drained(server: ManagedServer, timeout_s: float = 30) -> None:
+    """Wait until ``server`` has no request in any queue, then require it alive and leak-free.
+
+    SGLang's idle self-check (strict mode) runs once the scheduler is idle with empty queues; a leaked
+    page or request slot raises there and kills the scheduler, which the health check then sees.
+    """
+    wait_until(lambda: _idle(get_json(base_url(server) + "/v1/loads")), timeout_s, f"{server.name} idle")
+    time.sleep(2)  # not a synchronisation: the time in which SGLang's idle self-check runs a few times
+    assert server.alive(), server.log_tail()
+    log = server.log_path.read_text(errors="replace")
+    assert "leak detected" not in log.lower(), server.log_tail()
+    assert "Mem Leak Detected" not in log, server.log_tail()
+
+
+def _idle(loads: object) -> bool:
+    """True when every count of requests (running, queued, bootstrapping, transferring) is zero."""
+    counts: list[int] = []
+
+    def walk(node: object, key: str = "") -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, key)
+        elif isinstance(node, int) and key.startswith("num_") and key.endswith("reqs"):
+            counts.append(node)
+
+    walk(loads)
+    assert counts, f"/v1/loads reports no request counts: {loads}"
+    return not any(counts)
+
+
+def transfer_metric(server: ManagedServer, key: str) -> float:
+    return metric(base_url(server), f"sglang:pd_connector_{key}")
+
+
+def check_transferred(
+    prefill: ManagedServer,
+    decode: ManagedServer,
+    port: int,
+    reference: dict[str, Reply],
+    prompt: str = LONG_PROMPT,
+) -> tuple[int, dict[tuple[str, int], float]]:
+    """One P->D request of ``prompt`` (several chunks): D answers as the aggregated server, and the backend's
+    metrics on both /metrics say the prompt's KV moved, exactly, with no failure. Returns the prompt's tokens
+    and the layer pushes P made for it."""
+    keys = ("bytes_sent_total", "bytes_received_total", "failures_total", "transfer_seconds_count")
+    pushes = layer_pushes(prefill)
+    before = {(s.name, k): transfer_metric(s, k) for s in (prefill, decode) for k in keys}
+
+    def grew(server: ManagedServer, key: str) -> float:
+        return transfer_metric(server, key) - before[(server.name, key)]
+
+    p, d = generate_pd(base_url(prefill), base_url(decode), bootstrap(port), prompt, MAX_NEW_TOKENS)
+    assert p.ok and d.ok, (p, d)
+    assert d.output_ids == reference[prompt].output_ids
+    wait_until(
+        lambda: grew(prefill, "bytes_sent_total") > 0 and grew(decode, "bytes_received_total") > 0,
+        timeout_s=10,
+        what="the transfer on both /metrics",
+    )
+    prompt_tokens = int(p.body["meta_info"]["prompt_tokens"])
+    assert grew(prefill, "bytes_sent_total") == prompt_tokens * TOKEN_KV_BYTES
+    assert grew(decode, "bytes_received_total") == grew(prefill, "bytes_sent_total")
+    assert grew(prefill, "transfer_seconds_count") == 1
+    assert grew(prefill, "failures_total") == grew(decode, "failures_total") == 0
+    return prompt_tokens, {k: v - pushes[k] for k, v in layer_pushes(prefill).items()}
+
+
+def layer_pushes(server: ManagedServer) -> dict[tuple[str, int], float]:
+    """P's layer pushes so far, by (when, layer), from one read of its /metrics (0 where none happened)."""
+    with urllib.request.urlopen(base_url(server) + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    pushes = {(when, layer): 0.0 for when in ("forward", "computed", "chunk") for layer in range(NUM_LAYERS)}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sglang:pd_connector_layer_pushes_total":
+                pushes[(sample.labels["when"], int(sample.labels["layer"]))] += sample.value
+    return pushes
+
+
+def per_layer(forward: int, computed: int, chunk: int) -> dict[tuple[str, int], float]:
+    counts = {"forward": forward, "computed": computed, "chunk": chunk}
+    return {(when, layer): n for when, n in counts.items() for layer in range(NUM_LAYERS)}
+
+
+def fresh_pushes(tokens: int) -> dict[tuple[str, int], float]:
+    """P's layer pushes for a prompt of ``tokens`` it never saw: every layer once per forward pass (chunk) that
+    computes tokens before the last one, during the pass; the last token's page after the last pass."""
+    return per_layer(forward=-(-(tokens - 1) // CHUNK_TOKENS), computed=0, chunk=1)
+
+
+#: ... and for a prompt it has cached: the prefix before the forward, the last token's page after it.
+CACHED_PUSHES = per_layer(forward=0, computed=1, chunk=1)
