@@ -234,10 +234,11 @@ def body(prompt: list[int], plan: Plan, stream: bool) -> dict[str, Any]:
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": stream,
+        "return_token_ids": True,  # compared as token ids: text splits multi-byte characters differently
     }
 
 
-async def known_answers(url: str, items: list[list[int]], plan: Plan) -> list[str]:
+async def known_answers(url: str, items: list[list[int]], plan: Plan) -> list[list[int]]:
     """Each prompt's greedy answer from one engine alone (colocated: no transfer), before any fault.
 
     Asked of a P, not a D: a D that computed a prompt holds it in its prefix cache and would load nothing for
@@ -245,23 +246,31 @@ async def known_answers(url: str, items: list[list[int]], plan: Plan) -> list[st
     limit = asyncio.Semaphore(8)
     async with aiohttp.ClientSession() as session:
 
-        async def answer(prompt: list[int]) -> str:
+        async def answer(prompt: list[int]) -> list[int]:
             async with limit, session.post(f"{url}/v1/completions", json=body(prompt, plan, False)) as resp:
                 resp.raise_for_status()
-                return str((await resp.json())["choices"][0]["text"])
+                return [int(t) for t in (await resp.json())["choices"][0]["token_ids"]]
 
         return list(await asyncio.gather(*(answer(p) for p in items)))
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], want: str, plan: Plan, mode: str, t0: float
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    want: list[int],
+    plan: Plan,
+    mode: str,
+    t0: float,
 ) -> Record:
     """Send one completion and classify how it ended (``mode``: plain, stream or drop)."""
     start = time.monotonic() - t0
-    text, detail = "", ""
+    text: list[int] = []  # the answer's token ids so far
+    detail = ""
 
     def done(outcome: str) -> Record:
-        return Record(start, time.monotonic() - t0, outcome, detail)
+        why = f"{mode}: got {text!r}, want {want!r}; {detail}" if outcome == "wrong_tokens" else detail
+        return Record(start, time.monotonic() - t0, outcome, why)
 
     try:
         async with asyncio.timeout(plan.deadline_s):
@@ -271,7 +280,7 @@ async def one_request(
                     detail = f"HTTP {resp.status}"
                     return done("failed_clean")
                 if mode == "plain":
-                    text = (await resp.json())["choices"][0]["text"]
+                    text = list((await resp.json())["choices"][0]["token_ids"])
                     return done("ok" if text == want else "wrong_tokens")
                 ended = False
                 async for raw in resp.content:
@@ -286,10 +295,10 @@ async def one_request(
                     if "error" in event:
                         detail = str(event["error"])[:200]
                         break
-                    text += event["choices"][0].get("text", "")
+                    text += event["choices"][0].get("token_ids") or []
                     if mode == "drop":
                         return done("disconnected")  # leaving the block drops the connection mid-stream
-                if not want.startswith(text):
+                if want[: len(text)] != text:
                     return done("wrong_tokens")
                 return done("ok" if ended and text == want else "failed_clean")
     except TimeoutError:
@@ -297,7 +306,7 @@ async def one_request(
         return done("hung")
     except (aiohttp.ClientError, ConnectionError, json.JSONDecodeError, KeyError) as e:
         detail = repr(e)[:200]
-        return done("wrong_tokens" if text and not want.startswith(text) else "failed_clean")
+        return done("wrong_tokens" if text and want[: len(text)] != text else "failed_clean")
 
 
 async def _post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -338,19 +347,24 @@ class Injector:
         async with self._lock:
             self.struck.append((time.monotonic() - self.t0, kind))
             try:
-                await asyncio.to_thread(self._do, kind)
+                restart = await asyncio.to_thread(self._do, kind)
+                if restart is not None:
+                    # Started from this (the main) thread: a server started from a worker thread gets its
+                    # parent-death signal when that thread exits (PR_SET_PDEATHSIG follows the thread).
+                    restart.start()
+                    await asyncio.to_thread(restart.wait_healthy, 600)
             except Exception as e:  # a fault that could not be carried out is reported, not hidden
                 self.errors.append(f"{kind}: {e!r}")
 
-    def _do(self, kind: str) -> None:
+    def _do(self, kind: str) -> ManagedServer | None:
+        """Carry out ``kind``; the server to start again, if it stopped one."""
         c = self.cluster
         if kind in ("kill_prefill", "kill_decode"):
             server = self.rng.choice(c.prefills if kind == "kill_prefill" else c.decodes)
             server.kill(signal.SIGKILL)
             server.stop(grace_s=0.1)
-            server.start()
-            server.wait_healthy(600)
-        elif kind in ("stop_short", "stop_long"):
+            return server
+        if kind in ("stop_short", "stop_long"):
             server = self.rng.choice(c.engines)
             pause = TIMERS["heartbeat_timeout_s"] / 2 if kind == "stop_short" else TIMERS["lease_s"] + 2
             server.kill(signal.SIGSTOP)
@@ -364,14 +378,14 @@ class Injector:
             self.rng.choice(c.proxies).reset_connections()
         elif kind == "router_restart":
             c.router.stop(grace_s=1)
-            c.router.start()
-            c.router.wait_healthy(120)
+            return c.router
         else:
             raise ValueError(f"unknown fault {kind!r}")
+        return None
 
 
 async def load(
-    cluster: Cluster, plan: Plan, items: list[list[int]], answers: list[str]
+    cluster: Cluster, plan: Plan, items: list[list[int]], answers: list[list[int]]
 ) -> tuple[list[Record], Injector]:
     rng = random.Random(f"{plan.seed}:load")
     drops = set(rng.sample(range(plan.requests), min(plan.faults.get("client_disconnect", 0), plan.requests)))

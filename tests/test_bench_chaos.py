@@ -17,11 +17,13 @@ from benchmarks.chaos import FAULT_KINDS, Plan, Record, one_request, recovery, t
 
 pytestmark = pytest.mark.unit
 
-WANT = " the known answer"
+WANT = [5, 6, 7, 8]
 PLAN = Plan(model=Path(), requests=1000, deadline_s=2.0)
 
 
-def _server(text: str, stream_error: bool = False, status: int = 200, stall: bool = False) -> web.Application:
+def _server(
+    text: list[int], stream_error: bool = False, status: int = 200, stall: bool = False
+) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if status != 200:
@@ -29,12 +31,13 @@ def _server(text: str, stream_error: bool = False, status: int = 200, stall: boo
         if stall:
             await asyncio.sleep(10)  # longer than the plan's deadline: the client must give up
         if not body["stream"]:
-            return web.json_response({"choices": [{"text": text}]})
+            return web.json_response({"choices": [{"text": "", "token_ids": text}]})
         resp = web.StreamResponse()
         await resp.prepare(request)
         half = len(text) // 2
         for part in (text[:half], text[half:]):
-            await resp.write(f"data: {json.dumps({'choices': [{'text': part}]})}\n\n".encode())
+            event = {"choices": [{"text": "", "token_ids": part}]}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             if stream_error:
                 await resp.write(f"data: {json.dumps({'error': {'message': 'gone'}})}\n\n".encode())
                 return resp
@@ -51,10 +54,10 @@ def _server(text: str, stream_error: bool = False, status: int = 200, stall: boo
     [
         (dict(text=WANT), "plain", "ok"),
         (dict(text=WANT), "stream", "ok"),
-        (dict(text=" the wrong answer"), "plain", "wrong_tokens"),
-        (dict(text=" the known answe!"), "stream", "wrong_tokens"),
+        (dict(text=[5, 6, 7, 9]), "plain", "wrong_tokens"),
+        (dict(text=[5, 6, 7, 9]), "stream", "wrong_tokens"),
         (dict(text=WANT, stream_error=True), "stream", "failed_clean"),  # a correct prefix, then an error
-        (dict(text=" a wrong start", stream_error=True), "stream", "wrong_tokens"),
+        (dict(text=[9, 6, 7, 8], stream_error=True), "stream", "wrong_tokens"),
         (dict(text=WANT, status=503), "plain", "failed_clean"),
         (dict(text=WANT), "drop", "disconnected"),
         (dict(text=WANT, stall=True), "plain", "hung"),
