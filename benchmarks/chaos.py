@@ -339,6 +339,8 @@ class Injector:
         self.rng = random.Random(f"{plan.seed}:targets")
         self.struck: list[tuple[float, str]] = []
         self.errors: list[str] = []
+        #: Connector counters of the servers killed, read just before (a restart starts them from zero).
+        self.killed_counters: Counter[str] = Counter()
         self._lock = (
             asyncio.Lock()
         )  # one fault at a time: a restart must not overlap a stop of the same group
@@ -361,6 +363,7 @@ class Injector:
         c = self.cluster
         if kind in ("kill_prefill", "kill_decode"):
             server = self.rng.choice(c.prefills if kind == "kill_prefill" else c.decodes)
+            self.killed_counters.update(connector_counters([server]))
             server.kill(signal.SIGKILL)
             server.stop(grace_s=0.1)
             return server
@@ -463,11 +466,11 @@ def engine_state(server: ManagedServer) -> tuple[float, float]:
     return usage, open_requests
 
 
-def connector_counters(cluster: Cluster) -> dict[str, float]:
-    """What proves KV moved and was checked, summed over the engines (since each one's last start)."""
+def connector_counters(engines: list[ManagedServer]) -> dict[str, float]:
+    """What proves KV moved and was checked, summed over ``engines`` (since each one's last start)."""
     names = ("bytes_sent", "transfers_received", "failures", "integrity_failures")
     totals = dict.fromkeys(names, 0.0)
-    for server in cluster.engines:
+    for server in engines:
         try:
             for n in names:
                 totals[n] += metric(base_url(server), f"vllm:pd_connector_{n}_total")
@@ -538,7 +541,7 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
         records, injector = asyncio.run(load(cluster, plan, items, answers))
         state = settle(cluster, baseline, plan.quiet_s)
         rss_after = {s.name: rss_mb(s) for s in cluster.servers()}
-        moved = connector_counters(cluster)
+        moved = {k: v + injector.killed_counters[k] for k, v in connector_counters(cluster.engines).items()}
         plot(records, injector.struck, plan.out)
     finally:
         stop(cluster)
