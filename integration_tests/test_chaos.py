@@ -1,0 +1,64 @@
+"""The short chaos run in CI: ``benchmarks.chaos`` on one P and one D vLLM server behind pd-router, a few
+hundred requests with faults overlapping the load, and everything accounted for afterwards.
+
+Faults: a P killed and restarted, an engine stopped shorter than its heartbeat timeout and one stopped longer
+than its lease, garbage into P's side channel, resets of the P<->D control connections (through the fault
+proxy, whose new connections get seeded delays and stalls), client disconnects mid-stream, a router restart.
+The run must end with no 200 carrying wrong tokens, no request past its deadline, every engine back to its
+idle KV usage with nothing running or waiting, and KV moved through the connector with integrity mode on
+(bytes sent, loads completed, no integrity failure).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.chaos import Plan, run
+
+FAULTS = {
+    "kill_prefill": 1,
+    "kill_decode": 0,  # one D: its death fails what it was serving; test_when_killed covers a killed D
+    "stop_short": 1,
+    "stop_long": 1,
+    "client_disconnect": 8,
+    "garbage": 1,
+    "proxy_reset": 2,
+    "router_restart": 1,
+}
+
+
+def test_short_chaos_run_loses_no_token_hangs_nothing_and_leaks_no_block(
+    tiny_model: Path, log_dir: Path, tmp_path: Path
+) -> None:
+    plan = Plan(
+        model=tiny_model,
+        prefills=1,
+        decodes=1,
+        requests=200,
+        concurrency=16,
+        prompts=60,
+        faults=FAULTS,
+        deadline_s=120.0,
+        quiet_s=60.0,
+        out=tmp_path / "chaos.png",
+    )
+    result = run(plan, log_dir)
+    print(json.dumps(result))  # the run's figures, in the log of a CI run (pytest -s) or of a failure
+    summary = {
+        k: result[k] for k in ("requests", "ok", "failed_clean", "wrong_tokens", "hung", "disconnected")
+    }
+    assert result["wrong_tokens"] == 0, result["wrong_examples"]
+    assert result["hung"] == 0, summary
+    assert result["requests"] == plan.requests
+    assert not result["fault_errors"]
+    struck = {k: n for k, n in result["faults"].items() if k != "client_disconnect"}
+    assert struck == {k: n for k, n in FAULTS.items() if n and k != "client_disconnect"}, result["faults"]
+    assert result["disconnected"] >= 1, summary
+    assert all(v is not None and v <= 0 for v in result["blocks_leaked"].values()), result["blocks_leaked"]
+    assert all(v == 0 for v in result["open_requests"].values()), result["open_requests"]
+    # The load went through P->D for the most part, with integrity mode checking every load.
+    assert result["ok"] >= plan.requests // 2, summary
+    moved = result["connector"]
+    assert moved["bytes_sent"] > 0 and moved["transfers_received"] > 0 and moved["integrity_failures"] == 0
+    assert (tmp_path / "chaos.png").stat().st_size > 0
