@@ -491,16 +491,18 @@ def settle(cluster: Cluster, baseline: dict[str, float], quiet_s: float) -> dict
         time.sleep(0.5)  # polling a remote server's /metrics, not a synchronisation
 
 
-def recovery(records: list[Record], struck: list[tuple[float, str]]) -> dict[str, list[float]]:
+def recovery(records: list[Record], struck: list[tuple[float, str]]) -> dict[str, list[float] | None]:
     """Per fault kind: seconds from each fault to the end of the first request started after it and answered
-    right, as [p50, p99] (a fault with no such request counts as the rest of the run)."""
+    right, as [p50, p99]; None for a kind whose faults all struck after the last request started (faults
+    wait for each other, so a late one can miss the load)."""
     ok = sorted((r.start, r.end) for r in records if r.outcome == "ok")
-    last = max((r.end for r in records), default=0.0)
     per: dict[str, list[float]] = {}
     for at, kind in struck:
         after = [end for start, end in ok if start >= at]
-        per.setdefault(kind, []).append((min(after) if after else last) - at)
-    return {k: [_pct(v, 50), _pct(v, 99)] for k, v in per.items()}
+        per.setdefault(kind, [])
+        if after:
+            per[kind].append(min(after) - at)
+    return {k: [_pct(v, 50), _pct(v, 99)] if v else None for k, v in per.items()}
 
 
 def _pct(values: list[float], q: float) -> float:

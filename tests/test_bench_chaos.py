@@ -92,4 +92,4 @@ def test_recovery_is_the_first_right_answer_started_after_the_fault() -> None:
         Record(3.0, 4.0, "ok"),
     ]
     assert recovery(records, [(1.5, "kill_prefill")]) == {"kill_prefill": [2.5, 2.5]}
-    assert recovery(records, [(5.0, "garbage")]) == {"garbage": [1.0, 1.0]}  # none after it: rest of the run
+    assert recovery(records, [(5.0, "garbage")]) == {"garbage": None}  # no request started after it
