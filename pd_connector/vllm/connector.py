@@ -73,7 +73,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
-            fail_loads_on_request()  # a seeded load that failed without P's token: see loads_to_fail
+            fail_loads_on_request()  # a seeded load that ended without a usable token: see loads_to_fail
             self._scheduler = SchedulerSide(
                 block_size,
                 self._config.side_channel_addr,

@@ -15,8 +15,9 @@ Who calls what:
   and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
 - ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
   carries) and ``seed_first_token`` (D, when a seeded load finished); ``PDConnector.__init__`` in
-  EngineCore: ``fail_loads_on_request`` (a seeded load that failed without P's token ends its request with
-  an error under any ``kv_load_failure_policy``, through the scheduler's per-step error set).
+  EngineCore: ``fail_loads_on_request`` (a seeded load that ended, done or failed, without a usable token
+  from P ends its request with an error under any ``kv_load_failure_policy``, through the scheduler's
+  per-step error set).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 

@@ -110,14 +110,15 @@ def seed_first_token(request: Request, token: int) -> bool:
 
 
 def fail_loads_on_request() -> None:
-    """Let a connector end single requests whose load failed with an error, whatever the engine's
+    """Let a connector end single requests whose load ended with an error, whatever the engine's
     ``kv_load_failure_policy`` (EngineCore; idempotent).
 
     vLLM 0.32 applies its failure policy to every failed load of an engine alike: ``recompute`` prefills the
     prompt locally, ``fail`` ends the request with an error. A seeded request (first-token seeding) whose load
     failed before P's token arrived can do neither right under ``recompute``: the client already has P's
-    token, and D would sample a first token of its own after the prompt, repeating it. So each step, before
-    vLLM handles its output, the scheduler's connector is asked for ``loads_to_fail(kv_connector_output)``;
+    token, and D would sample a first token of its own after the prompt, repeating it (so would a load that
+    landed but brought no usable token). So each step, before vLLM handles its output, the scheduler's
+    connector is asked for ``loads_to_fail(kv_connector_output)``;
     the requests it names join the scheduler's per-step error set (the one grammar-compile failures use), and
     vLLM ends them in that same step with its generation error (the client gets an error, D frees the blocks
     once the failed load is reported, as for ``fail``). Patched on the class because the scheduler exists
