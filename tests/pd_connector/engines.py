@@ -119,6 +119,11 @@ DONE = TransferState.DONE
 
 #: Fast heartbeats and abort grace, so failure tests end in a second.
 FAST = {"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 1.0, "abort_grace_s": 0.5}
+#: The fault tests' timers: long leases and load timeouts, so a transfer that ends fast ended because of the
+#: fault (a reset, a revoked grant), not a timer.
+FAULT_CONFIG = {**FAST, "lease_s": 30.0, "load_timeout_s": 30.0}
+#: P's and D's blocks of the three-block transfer the fault tests run.
+FAULT_SRC, FAULT_DST = [3, 5, 7], [10, 2, 4]
 
 
 class Pair:

@@ -30,6 +30,9 @@ from pd_disagg.servers import free_port
 from test_support.fault_proxy import Fault, FaultProxy, Schedule
 from tests.pd_connector.engines import (
     FAST,
+    FAULT_CONFIG,
+    FAULT_DST,
+    FAULT_SRC,
     SLACK_S,
     SMALL,
     KVCache,
@@ -43,8 +46,6 @@ from tests.polling import wait_until
 
 pytestmark = pytest.mark.unit
 
-CONFIG = {**FAST, "lease_s": 30.0, "load_timeout_s": 30.0}
-SRC, DST = [3, 5, 7], [10, 2, 4]
 #: How long the data proxy holds P's writes: long enough for D to report before they can land.
 STALL_S = 1.5
 #: The data connection's first frame (P's hello) and one byte of P's first write go through; the rest is held.
@@ -65,16 +66,18 @@ class StalledPair:
         self.pc, self.dc = KVCache(SMALL, 32, seed=1), KVCache(SMALL, 32, seed=None)
         d_tcp = TcpConfig(port=data_port, advertise_port=self.data.port)
         self.d_transport = create_transport(TransportConfig(kind="tcp", tcp=d_tcp))
-        self.p = make_engine(self.pc, create_transport(TransportConfig(kind="tcp")), True, "P", **CONFIG)
-        self.d = make_engine(self.dc, self.d_transport, False, "D", **CONFIG)
+        self.p = make_engine(
+            self.pc, create_transport(TransportConfig(kind="tcp")), True, "P", **FAULT_CONFIG
+        )
+        self.d = make_engine(self.dc, self.d_transport, False, "D", **FAULT_CONFIG)
         host, port = addr(self.p).rsplit(":", 1)
         self.control = FaultProxy((host, int(port)))
         self.control.start()
 
     def start_stalled_transfer(self, tid: str) -> None:
         """D expects ``tid``; P writes all of it, and the writes are held in the data proxy."""
-        self.d.expect(tid, self.control.address, DST, 12)
-        self.p.offer(tid, SRC)
+        self.d.expect(tid, self.control.address, FAULT_DST, 12)
+        self.p.offer(tid, FAULT_SRC)
         for layer in range(SMALL.num_layers):
             self.p.push_layer(tid, layer)
         self.p.finish(tid)
@@ -82,7 +85,7 @@ class StalledPair:
         assert self.data.relayed["to_target"] == HELD_AFTER
 
     def blocks(self) -> list[bytes]:
-        return [self.dc.tokens(r, DST, 12) for r in range(len(self.dc.arrays))]
+        return [self.dc.tokens(r, FAULT_DST, 12) for r in range(len(self.dc.arrays))]
 
     def close(self) -> None:
         with closing(self.p, self.d):
@@ -103,7 +106,7 @@ def test_writes_held_in_flight_land_when_nothing_fails(stalled: StalledPair) -> 
     """The control: the held writes do reach D's memory once the stall ends, and the transfer completes."""
     stalled.start_stalled_transfer("slow")
     assert wait(stalled.d, {"slow"}, STALL_S + SLACK_S)["slow"].state is TransferState.DONE
-    want = [stalled.pc.tokens(r, SRC, 12) for r in range(len(stalled.pc.arrays))]
+    want = [stalled.pc.tokens(r, FAULT_SRC, 12) for r in range(len(stalled.pc.arrays))]
     assert stalled.blocks() == want
 
 
@@ -118,7 +121,7 @@ def _reuse_after_the_link_is_lost(stalled: StalledPair) -> tuple[list[bytes], li
 
     # vLLM gives the blocks to another request, which writes its own KV there.
     for array in stalled.dc.arrays:
-        for block in DST:
+        for block in FAULT_DST:
             array[block * SMALL.block_bytes : (block + 1) * SMALL.block_bytes] = MARKER
     reused = stalled.blocks()
 
@@ -143,7 +146,7 @@ def test_without_the_fence_the_held_writes_corrupt_reused_blocks(
     the reused blocks, so the test above fails without the fence."""
     monkeypatch.setattr(TcpTransport, "revoke", lambda self, key: True)
     reused, after = _reuse_after_the_link_is_lost(stalled)
-    want = [stalled.pc.tokens(r, SRC, 12) for r in range(len(stalled.pc.arrays))]
+    want = [stalled.pc.tokens(r, FAULT_SRC, 12) for r in range(len(stalled.pc.arrays))]
     assert after != reused and any(a == w for a, w in zip(after, want, strict=True))
 
 
@@ -155,15 +158,15 @@ def test_the_next_session_writes_again_after_the_fence(stalled: StalledPair) -> 
     assert wait(stalled.d, {"cut"})["cut"].state is TransferState.FAILED
     wait(stalled.p, {"cut"})
     started = time.monotonic()
-    stalled.d.expect("next", stalled.control.address, DST, 12)
-    stalled.p.offer("next", SRC)
+    stalled.d.expect("next", stalled.control.address, FAULT_DST, 12)
+    stalled.p.offer("next", FAULT_SRC)
     for layer in range(SMALL.num_layers):
         stalled.p.push_layer("next", layer)
     stalled.p.finish("next")
     assert wait(stalled.d, {"next"})["next"].state is TransferState.DONE
     assert wait(stalled.p, {"next"})["next"].state is TransferState.DONE
     assert time.monotonic() - started < STALL_S  # not held behind the fenced connection's stall
-    want = [stalled.pc.tokens(r, SRC, 12) for r in range(len(stalled.pc.arrays))]
+    want = [stalled.pc.tokens(r, FAULT_SRC, 12) for r in range(len(stalled.pc.arrays))]
     assert stalled.blocks() == want
     assert stalled.data.accepted == 2
     assert_no_state(stalled.p, stalled.d)
@@ -198,8 +201,8 @@ def test_a_transport_that_cannot_fence_keeps_the_blocks_until_prefill_cannot_wri
     host, port = addr(p).rsplit(":", 1)
     with closing(p, d), FaultProxy((host, int(port))) as control:
         expected_at = time.monotonic()
-        d.expect("held", control.address, DST, 12)
-        p.offer("held", SRC)
+        d.expect("held", control.address, FAULT_DST, 12)
+        p.offer("held", FAULT_SRC)
         p.push_layer("held", 0)
         assert gated.started.wait(SLACK_S)
         assert control.reset_connections() == 1
@@ -210,7 +213,9 @@ def test_a_transport_that_cannot_fence_keeps_the_blocks_until_prefill_cannot_wri
         held_s = time.monotonic() - expected_at
         assert got.state is TransferState.FAILED and "lost" in got.reason, got
         assert held_s >= HOLD["load_timeout_s"] + HOLD["abort_grace_s"]
-        assert dc.tokens(0, DST, 12) == pc.tokens(0, SRC, 12)  # it landed while the blocks were D's
+        assert dc.tokens(0, FAULT_DST, 12) == pc.tokens(
+            0, FAULT_SRC, 12
+        )  # it landed while the blocks were D's
         wait(p, {"held"})
         assert_no_state(p, d)
 
@@ -224,8 +229,8 @@ def test_blocks_held_for_a_prefill_that_is_gone_go_back_at_once() -> None:
     d = make_engine(dc, LoopbackTransport(fabric), False, "D", **{**HOLD, "load_timeout_s": 30.0})
     host, port = addr(p).rsplit(":", 1)
     with closing(p, d), FaultProxy((host, int(port))) as control:
-        d.expect("gone", control.address, DST, 12)
-        p.offer("gone", SRC)
+        d.expect("gone", control.address, FAULT_DST, 12)
+        p.offer("gone", FAULT_SRC)
         wait_until(lambda: p.state("gone") is TransferState.TRANSFERRING, what="P got D's destinations")
         control.reset_connections()  # the link is lost first: no Abort from P reaches D
         wait_until(lambda: p.table_sizes()["peers"] == 0, what="P saw the link lost")
