@@ -142,3 +142,10 @@ def split_addr(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"control address must be host:port, got {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def rank_addr(addr: str, rank: int) -> str:
+    """The side channel of P's TP rank ``rank`` when ``addr`` is rank 0's: the next ports, one per rank."""
+    host, port = split_addr(addr)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port + rank}"

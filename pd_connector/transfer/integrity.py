@@ -143,3 +143,20 @@ def verify(
                     f"layer {layer} ({buffer} buffer, region {rid}): xxh3 {got:016x} of the {int(runs[:, 1].sum())} granules that landed "
                     f"in {len(runs)} runs, prefill hashed {want:016x}"
                 )
+
+
+def landed_problem(
+    memory: RegionBytes | None, layout: KVLayout, sums: Checksums | None, per_layer_tables: bool, source: str
+) -> str | None:
+    """D's receiver, once every write of one P rank landed (its ``Done``) and before the load is reported: why
+    the KV from ``source`` (that rank's address) does not match its checksums, or None (also when integrity
+    mode is off: ``memory`` is None). A mismatch fails the load."""
+    if memory is None:
+        return None
+    if sums is None:
+        return f"integrity check failed: prefill {source} sent no checksums"
+    try:
+        verify(memory, hashed_regions(layout, per_layer_tables), sums, layout.buffers_per_layer)
+    except IntegrityError as e:
+        return f"integrity check failed on the KV from prefill {source}: {e}"
+    return None

@@ -5,20 +5,13 @@ use and shared by all transfers to it; a link that breaks fails its transfers, a
 reconnects (a restarted P). Giving up on a transfer (timeout, abort) waits for P's Ack before reporting, so D
 never reuses blocks P is still writing into.
 
-The data fence. A lost link is no Ack: P's one-sided writes (tcp ``Put`` frames carry a region and an offset,
-no transfer id; RDMA and shared-memory puts need nothing of D at all) may still be in flight, in a socket
-buffer, a relay or a stopped P, and land after D reported and vLLM gave the blocks to another request: a 200
-with wrong tokens that no checksum can catch (the blocks are another request's by then). So each link (one
-control session) hands P its own data grant (``Transport.grant``), and when the link is lost D first revokes
-it (``Transport.revoke``): on tcp the data connections of that session are closed unread, and the transfers
-fail at once. A transport that cannot refuse a writer (ucx, cma: the writer needs nothing of D) answers
-False, and D holds those parts' blocks instead, until P can no longer be writing: P starts no write after the
-deadline D gave it (the transfer's lease), and ``abort_grace_s`` after that its last write has drained. A P
-that is provably gone (its side channel refuses connections: its process died or its engine closed) releases
-them at once. The hold is bounded by the load timeout plus ``abort_grace_s``, like any give-up, and never
-leaks: the blocks go back when it ends. What it does not cover: a Destinations message delayed in transit by
-more than ``abort_grace_s`` (P's deadline starts when it arrives) to a P that keeps writing after its link
-died; docs/architecture.md discusses it.
+The data fence. A lost link is no Ack: P's one-sided writes may still be in flight and land after D reported
+and vLLM gave the blocks to another request (a 200 with wrong tokens no checksum can catch). So each link
+(one control session) hands P its own data grant (``Transport.grant``), revoked first when the link is lost:
+tcp closes that session's data connections unread and the transfers fail at once; a transport that cannot
+refuse a writer (ucx, cma) answers False, and D holds those parts' blocks until P cannot be writing (its
+deadline plus ``abort_grace_s``, or at once when P's side channel refuses connections): bounded, never
+leaked. docs/architecture.md (the data fence) has the reasoning and what it does not cover.
 
 Tensor parallelism: a transfer names P's first rank (its side channel); that rank's handshake
 (``handshake.dial``) tells D how P is split (``HelloAck.layout``), and D then takes each of its heads from the
@@ -38,25 +31,11 @@ import msgspec
 
 from pd_connector import control
 from pd_connector.layout import HeadSlice, KVLayout, fanout, head_plan
-from pd_connector.protocol import (
-    Abort,
-    Ack,
-    Destinations,
-    Done,
-    LayerDone,
-    Message,
-)
+from pd_connector.protocol import Abort, Ack, Destinations, Done, LayerDone, Message
 from pd_connector.timeline import Timeline
 from pd_connector.transfer import handshake, integrity
 from pd_connector.transfer.context import EngineContext, logger
 from pd_connector.transfer.types import TransferResult, TransferState, state_in
-
-
-def rank_addr(addr: str, rank: int) -> str:
-    """The side channel of P's TP rank ``rank`` when ``addr`` is rank 0's: the next ports, one per rank."""
-    host, port = control.split_addr(addr)
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port + rank}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,7 +148,7 @@ class Receiver:
             parts = []
             for sl in slices:
                 rank = 0 if sl is None else sl.prefill_rank
-                addr = rank_addr(rt.addr, rank)
+                addr = control.rank_addr(rt.addr, rank)
                 refusal = self.ctx.policy.refusal(addr)
                 if refusal is not None:
                     raise ValueError(refusal)
@@ -365,7 +344,15 @@ class Receiver:
         elif msg.num_tokens < rt.dests.num_tokens:
             reason = f"prefill covered {msg.num_tokens} of {rt.dests.num_tokens} tokens"
             self._give_up(rt, TransferState.FAILED, reason)
-        elif (mismatch := self._integrity_problem(part, msg)) is not None:
+        elif (
+            mismatch := integrity.landed_problem(
+                self.ctx.kv_bytes,
+                self.ctx.layout,
+                msg.checksums,
+                part.dests.layer_block_ids is not None,
+                part.link.addr,
+            )
+        ) is not None:
             logger.error("transfer %s: %s", rt.transfer_id, mismatch)
             self.ctx.count(integrity_failures=1)
             rt.integrity_failed = True
@@ -378,23 +365,6 @@ class Receiver:
                 rt.timeline.mark("done")
                 self.ctx.count(transfers_received=1)
                 self._finish(rt, TransferState.DONE, "")
-
-    def _integrity_problem(self, part: _Part, msg: Done) -> str | None:
-        """Integrity mode: why the KV this P rank wrote does not match its checksums, or None (also when off).
-
-        Runs once P's writes all landed (its ``Done``), before the load is reported: a mismatch fails it."""
-        kv_bytes = self.ctx.kv_bytes
-        if kv_bytes is None:
-            return None
-        if msg.checksums is None:
-            return f"integrity check failed: prefill {part.link.addr} sent no checksums"
-        lay = self.ctx.layout
-        regions = integrity.hashed_regions(lay, part.dests.layer_block_ids is not None)
-        try:
-            integrity.verify(kv_bytes, regions, msg.checksums, lay.buffers_per_layer)
-        except integrity.IntegrityError as e:
-            return f"integrity check failed on the KV from prefill {part.link.addr}: {e}"
-        return None
 
     # ---- giving up -------------------------------------------------------------------------------------------
     def _timed_out(self, rt: _Recv) -> None:
