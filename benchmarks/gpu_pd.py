@@ -7,7 +7,7 @@ Run as it is on a machine with a CUDA build of vLLM 0.32 and ``pd-disagg[vllm,uc
 
 For each data path, in one run, a fresh P (kv_producer) and D (kv_consumer) pair:
 - ``ucx_direct``: UCX registers the CUDA caches themselves (cuda_ipc on one host, GPUDirect RDMA across hosts);
-- ``ucx_staged``: UCX moves pinned host mirrors (``kv_staging = always``): the device copies cost what they cost;
+- ``ucx_staged``: UCX moves pinned host staging slots (``kv_staging = always``): the device copies cost what they cost;
 - ``tcp_staged``: the TCP fallback, which reaches host memory only, so the caches are staged.
 Every request's D answer (greedy, ``max_tokens`` tokens, from P's KV) must equal P's own answer to the same
 prompt (colocated), and P's ``vllm:pd_connector_bytes_sent_total`` must grow by the prompt's KV with no failures; a

@@ -8,7 +8,7 @@ layer it wrote, and D reports the load DONE only when its own memory hashes the 
 When and where: P hashes its source for each D rank once the source is final, at ``finish`` (every layer of
 the prompt computed; the last writes are still in flight, so the hash overlaps them), or, for a D rank whose
 destinations come later, right before its ``Done`` (``Sender._maybe_done``); on the transfer engine's I/O
-thread, reading its own source blocks in host memory: the KV cache itself, or the staging mirrors of a device
+thread, reading its own source blocks in host memory: the KV cache itself, or the staging slots of a device
 cache (``pd_connector.staging``) — never a device pointer; the engine refuses the mode for memory registered
 as device memory. D hashes the same granules of its memory when
 that ``Done`` arrives (``Receiver._on_end``). Hashing at the end and not per write because a block can be
