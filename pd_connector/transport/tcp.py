@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -116,9 +116,16 @@ class TcpTransport(Transport):
 
     def revoke(self, key: str) -> bool:
         """Refuse ``key``'s token from now on and close its data connections unread (on the I/O thread, which
-        is the one that reads them into memory: once this returns, nothing of theirs lands)."""
+        is the one that reads them into memory: once this returns True, nothing of theirs lands). False when
+        the I/O thread did not confirm within ``connect_timeout_s`` (busy or stuck): the caller then keeps the
+        memory as for a transport that cannot fence, instead of trusting a close that may not have happened."""
         if self._io.running:
-            self._io.run(self._on_io(self._listener.revoke, key), self.config.connect_timeout_s)
+            try:
+                self._io.run(self._on_io(self._listener.revoke, key), self.config.connect_timeout_s)
+            except TimeoutError:
+                return False
+            except CancelledError:  # the loop stopped (the transport closed): nothing reads any more
+                return True
         return True  # a closed transport's listener reads nothing either
 
     def detach(self, peer_id: str) -> None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 
 from pd_connector.transfer import TransferState
@@ -242,3 +244,25 @@ def test_blocks_held_for_a_prefill_that_is_gone_go_back_at_once() -> None:
         assert got.state is TransferState.FAILED and "lost" in got.reason, got
         assert time.monotonic() - closed_at < HOLD["heartbeat_interval_s"] + SLACK_S
         assert_no_state(d)
+
+
+def test_a_revoke_the_io_thread_does_not_confirm_in_time_is_not_a_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D trusts ``revoke`` to mean nothing of the session lands any more; if the tcp transport's I/O thread,
+    which reads the data connections, cannot confirm the close in time, revoke must say False (D then holds
+    the blocks as for a transport that cannot fence), not True."""
+    transport, memory = TcpTransport(), np.zeros(64, np.uint8)
+    try:
+        transport.register([MemoryRegion(0, memory.ctypes.data, 64, 64)])
+
+        def stuck(coro: Coroutine[Any, Any, None], timeout_s: float) -> None:
+            coro.close()
+            raise TimeoutError
+
+        monkeypatch.setattr(transport._io, "run", stuck)
+        assert transport.revoke("session-1") is False
+        monkeypatch.undo()
+        assert transport.revoke("session-1") is True
+    finally:
+        transport.close()
