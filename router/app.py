@@ -61,6 +61,7 @@ class RouterState:
         if self.balancer.prefixes is not None:
             self.metrics.watch_prefixes(self.balancer.prefixes)
         self.keys = cfg.client_keys()
+        self.admin_keys = cfg.admin_keys()
         self.created = int(time.time())
         self.upstream: Pool | None = None  # request legs and health checks
         self.checker: HealthChecker | None = None
@@ -140,11 +141,27 @@ STATE = web.AppKey("state", RouterState)
 _PUBLIC = frozenset({"/health", "/ready", "/metrics"})
 
 
-def _authorized(state: RouterState, path: str, authorization: str) -> bool:
-    if not state.keys or path in _PUBLIC:
-        return True
+def _auth_error(state: RouterState, path: str, authorization: str) -> ApiError | None:
+    """Why the request may not reach ``path`` (None: it may). The admin API takes admin keys only: a client
+    key would let a client choose where requests and KV go (a worker it adds), which no client may."""
+    if path in _PUBLIC:
+        return None
     token = authorization[7:] if authorization.startswith("Bearer ") else ""
-    return any(hmac.compare_digest(token.encode(), k.encode()) for k in state.keys)
+    if path.startswith("/admin"):
+        if state.admin_keys:
+            return (
+                None if _matches(token, state.admin_keys) else ApiError(401, "invalid or missing admin key")
+            )
+        if state.keys:
+            return ApiError(403, "the admin API takes admin keys only, and none is set (server.admin_keys)")
+        return None  # no authentication configured at all
+    if not state.keys or _matches(token, state.keys):
+        return None
+    return ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+
+
+def _matches(token: str, keys: frozenset[str]) -> bool:
+    return any(hmac.compare_digest(token.encode(), k.encode()) for k in keys)
 
 
 def too_large(state: RouterState) -> ApiError:
@@ -159,8 +176,8 @@ async def answered(
     Called by both servers (aiohttp's middleware and the lean front) so that they answer alike.
     """
     try:
-        if not _authorized(state, path, authorization):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        if (refused := _auth_error(state, path, authorization)) is not None:
+            raise refused
         return await run()
     except ApiError as e:
         return e.reply()

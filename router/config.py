@@ -33,6 +33,14 @@ class Secret(str):
         return "'***'"
 
 
+def _keys(listed: tuple[Secret, ...], env: str) -> frozenset[str]:
+    """``listed`` plus the comma-separated keys in environment variable ``env`` (if named)."""
+    keys: set[str] = set(listed)
+    if env:
+        keys.update(k.strip() for k in os.environ.get(env, "").split(",") if k.strip())
+    return frozenset(keys)
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Where the router listens and what it accepts from clients."""
 
@@ -43,6 +51,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     api_keys: tuple[Secret, ...] = ()
     # Name of an environment variable holding more client keys, comma-separated (keeps keys out of files).
     api_keys_env: str = ""
+    # Keys for the admin API (``/admin/*``: adding a worker chooses where requests and KV go), which client
+    # keys never open. Empty: the admin API is open only when no client key is set either (no authentication
+    # at all), and refused (403) otherwise.
+    admin_keys: tuple[Secret, ...] = ()
+    # Name of an environment variable holding more admin keys, comma-separated.
+    admin_keys_env: str = ""
     # Requests admitted at once (in flight + waiting for a decode slot); beyond it: 429.
     max_pending: int = 4096
     retry_after_s: int = 1
@@ -164,12 +178,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def client_keys(self) -> frozenset[str]:
         """Accepted client API keys: the file's ``api_keys`` plus those in ``api_keys_env``."""
-        keys: set[str] = set(self.server.api_keys)
-        if self.server.api_keys_env:
-            keys.update(
-                k.strip() for k in os.environ.get(self.server.api_keys_env, "").split(",") if k.strip()
-            )
-        return frozenset(keys)
+        return _keys(self.server.api_keys, self.server.api_keys_env)
+
+    def admin_keys(self) -> frozenset[str]:
+        """Accepted admin API keys: the file's ``admin_keys`` plus those in ``admin_keys_env``."""
+        return _keys(self.server.admin_keys, self.server.admin_keys_env)
 
     def served_names(self) -> tuple[str, ...]:
         return self.model.served_names or (self.model.path,)

@@ -177,7 +177,7 @@ class RouterReplica:
         except BaseException:
             await asyncio.to_thread(server.stop)
             raise
-        keys = sorted(cfg.client_keys())
+        keys = sorted(cfg.admin_keys())  # client keys do not open the admin API
         self._auth = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         self._admin_url = f"{base}/admin/workers"
         self._server = server

@@ -10,6 +10,7 @@ bad router setting fails ``serve run`` instead of the router replica. Validation
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,15 @@ def router_config(
 def write(
     path: Path, args: AppArgs, prefill: Sequence[dict[str, Any]], decode: Sequence[dict[str, Any]]
 ) -> RouterConfig:
-    """Validate, then write pd-router's TOML file at ``path``; returns what pd-router will read."""
-    cfg = router_config(args, prefill, decode)
+    """Validate, then write pd-router's TOML file at ``path``; returns what pd-router will read.
+
+    The engine replicas join through pd-router's admin API, which client keys do not open: when the user set
+    client keys and no admin key, the file gets an admin key of its own, known only to the router replica."""
     flow, tables = _tables(args)
+    server = tables.setdefault("server", {})
+    keyed = server.get("api_keys") or server.get("api_keys_env")
+    if keyed and not (server.get("admin_keys") or server.get("admin_keys_env")):
+        server["admin_keys"] = [secrets.token_urlsafe(32)]
+    cfg = parse_config({"flow": flow, **tables, "prefill": list(prefill), "decode": list(decode)})
     write_router_config(path, flow=flow, sections=tables, prefill=prefill, decode=decode)
     return cfg

@@ -140,3 +140,19 @@ def test_every_argument_is_documented_in_configuration_md() -> None:
     expected = {f.name for f in msgspec.structs.fields(AppArgs)} - roles
     expected |= {f"{role}.{f.name}" for role in roles for f in msgspec.structs.fields(RoleArgs)}
     assert documented == expected
+
+
+def test_a_router_with_client_keys_gets_an_admin_key_of_its_own(tmp_path: Path) -> None:
+    """Replicas register through the admin API, which client keys do not open: with client keys and no admin
+    key, the written file carries a generated admin key (not a client one); without client keys, none."""
+    keyed = write(
+        tmp_path / "k.toml", _args(router={"server": {"api_keys": ["sk-c"]}}), [], [STAND_IN_DECODE]
+    )
+    assert keyed.client_keys() == {"sk-c"}
+    [admin] = keyed.admin_keys()
+    assert admin != "sk-c" and len(admin) >= 32
+    assert load_config(tmp_path / "k.toml").admin_keys() == {admin}
+    open_router = write(tmp_path / "o.toml", _args(), [], [STAND_IN_DECODE])
+    assert open_router.admin_keys() == frozenset() and open_router.client_keys() == frozenset()
+    mine = _args(router={"server": {"api_keys": ["sk-c"], "admin_keys": ["sk-a"]}})
+    assert write(tmp_path / "m.toml", mine, [], [STAND_IN_DECODE]).admin_keys() == {"sk-a"}

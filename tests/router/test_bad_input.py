@@ -240,9 +240,29 @@ async def test_api_keys_enforced_and_never_logged(make_cluster, caplog: pytest.L
     )
     assert ok.status == 200
     assert (await c.router.get("/health")).status == 200  # probes need no key
-    assert (await c.router.get("/admin/workers")).status == 401
+    assert (await c.router.get("/admin/workers")).status == 403  # no admin key set: closed to clients
+    client_key = {"Authorization": "Bearer sk-router-secret"}
+    added = {"role": "decode", "worker": {"url": "http://127.0.0.1:9"}}
+    await _error(await c.router.post("/admin/workers", json=added, headers=client_key), 403)
     c.decode[0].fail_status = 503  # failures are logged: still without keys
     await c.router.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-router-secret"})
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "attempt" in logged
     assert "sk-router-secret" not in logged and "sk-wrong-guess" not in logged
+
+
+async def test_the_admin_api_takes_admin_keys_never_client_keys(make_cluster) -> None:
+    """A client key must not add a worker (it would choose where requests and their KV go)."""
+    c = await make_cluster(n_decode=1, server__api_keys=["sk-client"], server__admin_keys=["sk-admin"])
+    added = {"role": "decode", "worker": {"url": "http://127.0.0.1:9"}}
+    for key in ("", "sk-client", "sk-wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        await _error(await c.router.post("/admin/workers", json=added, headers=headers), 401)
+        await _error(await c.router.get("/admin/workers", headers=headers), 401)
+    admin = {"Authorization": "Bearer sk-admin"}
+    listed = await c.router.get("/admin/workers", headers=admin)
+    assert listed.status == 200 and len(await listed.json()) == 1
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+    await _error(await c.router.post("/v1/completions", json=body, headers=admin), 401)  # not a client key
+    ok = await c.router.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-client"})
+    assert ok.status == 200
