@@ -49,6 +49,17 @@ def _url_host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
 
 
+async def _start_healthy(server: ManagedServer, timeout_s: float) -> None:
+    """Start ``server`` and wait (off the replica's event loop) until it answers its health check; stop it
+    again when it does not, so a replica that fails to construct leaves no process behind."""
+    server.start()
+    try:
+        await asyncio.to_thread(server.wait_healthy, timeout_s)
+    except BaseException:
+        await asyncio.to_thread(server.stop)
+        raise
+
+
 def _log_dir(args: AppArgs) -> Path:
     return Path(args.log_dir or os.path.join(tempfile.gettempdir(), "pd-ray"))
 
@@ -79,12 +90,7 @@ class EngineReplica:
         kv_config = kv_transfer_config(role, parsed, node_ip, side_port) if role == "prefill" else None
         self._entry = worker(url, kv_config)
         self._router = serve.get_deployment_handle(ROUTER, app_name=context.app_name)
-        self._server.start()
-        try:
-            await asyncio.to_thread(self._server.wait_healthy, getattr(parsed, role).start_timeout_s)
-        except BaseException:
-            await asyncio.to_thread(self._server.stop)
-            raise
+        await _start_healthy(self._server, getattr(parsed, role).start_timeout_s)
         await self._register()
 
     async def _register(self) -> None:
@@ -171,12 +177,7 @@ class RouterReplica:
         base = f"http://{_url_host(host)}:{cfg.server.port}"
         server = router_server(path, log_dir=log_dir, port=cfg.server.port, name=name)
         server = dataclasses.replace(server, health_url=f"{base}/ready")
-        server.start()
-        try:
-            await asyncio.to_thread(server.wait_healthy, ROUTER_START_S)
-        except BaseException:
-            await asyncio.to_thread(server.stop)
-            raise
+        await _start_healthy(server, ROUTER_START_S)
         keys = sorted(cfg.admin_keys())  # client keys do not open the admin API
         self._auth = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         self._admin_url = f"{base}/admin/workers"
