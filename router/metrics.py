@@ -23,6 +23,8 @@ from router.prefix_index import PrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.0)
+# Token counts, powers of two: the autoscaler (pd_disagg.autoscale) fits length distributions to them.
+_TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 18))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -87,6 +89,21 @@ class RouterMetrics:
             " dropped them and set its own",
             registry=r,
         )
+        self.prompt_tokens = Histogram(
+            "pd_router_prompt_tokens",
+            "Prompt tokens of routed requests, by route (for a prompt routed on its length bound, the bound)",
+            ["route"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.output_limit = Histogram(
+            "pd_router_max_tokens",
+            "max_tokens (max_completion_tokens) of routed requests that set one, by route: an upper bound of"
+            " their output length",
+            ["route"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
         self.queued = Gauge(
             "pd_router_waiting",
             "Requests waiting for a decode slot (sglang-bootstrap: or a prefill slot)",
@@ -127,6 +144,14 @@ class RouterMetrics:
         self._prompt_for = _memo(self.prefix_prompt_tokens)
         self._hit_for = _memo(self.prefix_hit_tokens)
         self._placed_for = _memo(self.placements)
+        self._prompt_tokens_for = _memo(self.prompt_tokens)
+        self._output_limit_for = _memo(self.output_limit)
+
+    def lengths(self, route: str, prompt_tokens: int, max_tokens: int | None) -> None:
+        """One routed request's prompt length and output limit (what the autoscaler plans from)."""
+        self._prompt_tokens_for(route).observe(prompt_tokens)
+        if max_tokens is not None:
+            self._output_limit_for(route).observe(max_tokens)
 
     def placed(self, route: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         """One request placed by KV-aware routing: its prompt, the chosen D's cached prefix, and why."""

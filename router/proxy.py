@@ -102,6 +102,7 @@ class Proxy:
             hashes = self.balancer.hashes(parsed.prompt_ids)
             decision, placed = await self._decide(parsed, path, hashes)
             self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
+            self.metrics.lengths(decision.route.value, parsed.prompt_tokens, parsed.max_tokens)
             if hashes:
                 self.metrics.placed(
                     decision.route.value, placed.reason, parsed.prompt_tokens, placed.cached_tokens
