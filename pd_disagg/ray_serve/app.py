@@ -2,9 +2,10 @@
 
 Serve imports ``build_app`` (the config's ``import_path``) in ``serve run``'s process and calls it with the
 config's ``args``. It checks the Ray version and the arguments there, before anything is deployed, then binds
-the router (the application's ingress) with the two engine deployments. Replica counts and resources are
-Serve's deployment options, set per deployment name in the config's ``deployments:`` list (``Prefill``,
-``Decode``, ``PDRouter``).
+the router (the application's ingress) with the two engine deployments, and with the ``Autoscaler`` deployment
+when the arguments have ``autoscale:``. Replica counts and resources are Serve's deployment options, set per
+deployment name in the config's ``deployments:`` list (``Prefill``, ``Decode``, ``PDRouter``, ``Autoscaler``);
+with the autoscaler they are its starting counts, and the application needs ``external_scaler_enabled: true``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ray import serve
 from ray.serve.deployment import Application
 
 from pd_disagg.ray_serve.app_config import parse_args
+from pd_disagg.ray_serve.autoscaler import AUTOSCALER, AutoscalerReplica
 from pd_disagg.ray_serve.deployments import ROUTER, EngineReplica, RouterReplica
 from pd_disagg.ray_serve.router_config import STAND_IN_DECODE, router_config
 from pd_disagg.ray_serve.versions import check_version
@@ -34,4 +36,9 @@ def build_app(args: dict[str, Any]) -> Application:
         role: serve.deployment(name=name)(EngineReplica).bind(role, plain)
         for role, name in ENGINE_DEPLOYMENTS.items()
     }
-    return serve.deployment(name=ROUTER)(RouterReplica).bind(plain, **engines)
+    router = serve.deployment(name=ROUTER)(RouterReplica)
+    if parsed.autoscale is None:
+        return router.bind(plain, **engines)
+    # Bound by the router so that one graph deploys all; the autoscaler finds the router by name at start.
+    scaler = serve.deployment(name=AUTOSCALER)(AutoscalerReplica).bind(plain, ENGINE_DEPLOYMENTS)
+    return router.bind(plain, **engines, autoscaler=scaler)

@@ -15,6 +15,7 @@ import msgspec
 
 from pd_connector.settings import SettingError
 from pd_connector.vllm.config import PDConnectorConfig
+from pd_disagg.autoscale.settings import AutoscaleSettings, check
 
 #: Connector keys each replica sets from where it runs (``engine_command.kv_transfer_config``): not the user's.
 PER_REPLICA_KEYS = frozenset(
@@ -63,6 +64,11 @@ class AppArgs(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     router: dict[str, Any] = {}
     #: Directory of the engines' and the router's logs on each node ("" = ``$TMPDIR/pd-ray``).
     log_dir: str = ""
+    #: The planner-driven autoscaler's settings (``pd_disagg.autoscale.settings``); None: fixed replica counts.
+    #: Its ``profile`` path is resolved like ``model``.
+    autoscale: AutoscaleSettings | None = None
+    #: The Ray dashboard the autoscaler scales through ("" = the head's address, port 8265).
+    dashboard_url: str = ""
 
     def served_name(self) -> str:
         return self.served_model_name or self.model
@@ -95,7 +101,19 @@ def parse_args(raw: dict[str, Any], cwd: str | None = None) -> AppArgs:
             errors.append(f"router.{key}: workers are not configured here; replicas register themselves")
     if "path" in args.router.get("model", {}):
         errors.append("router.model.path: set from served_model_name")
+    autoscale = args.autoscale
+    if autoscale is not None:
+        autoscale = msgspec.structs.replace(autoscale, profile=_absolute(autoscale.profile, cwd))
+        try:
+            check(autoscale)
+        except ValueError as e:
+            errors.append(f"autoscale: {e}")
     if errors:
         raise AppConfigError("invalid pd-disagg Ray Serve args:\n  " + "\n  ".join(errors))
-    model = os.path.abspath(os.path.join(cwd or os.getcwd(), args.model))
-    return msgspec.structs.replace(args, model=model, served_model_name=args.served_name())
+    return msgspec.structs.replace(
+        args, model=_absolute(args.model, cwd), served_model_name=args.served_name(), autoscale=autoscale
+    )
+
+
+def _absolute(path: str, cwd: str | None) -> str:
+    return os.path.abspath(os.path.join(cwd or os.getcwd(), path))

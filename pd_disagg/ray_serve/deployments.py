@@ -125,8 +125,9 @@ class EngineReplica:
 class RouterReplica:
     """pd-router in front of the engine replicas that register with it.
 
-    ``engines``: the prefill and decode deployments, bound here so that one application deploys all three;
-    they are reached over HTTP through pd-router, never through these handles. pd-router starts with the
+    ``engines``: the prefill and decode deployments (and the autoscaler, when there is one), bound here so that
+    one application deploys them all; the engines are reached over HTTP through pd-router, never through these
+    handles. pd-router starts with the
     first decode replica (it needs one decode worker); later replicas join through its admin API.
     """
 
@@ -135,7 +136,7 @@ class RouterReplica:
         self._workers: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
         self._lock = asyncio.Lock()
         self._server: ManagedServer | None = None
-        self._admin_url = ""
+        self._admin_url = self._metrics_url = ""
         self._auth: dict[str, str] = {}
 
     async def add_worker(self, role: str, entry: dict[str, Any]) -> None:
@@ -160,6 +161,16 @@ class RouterReplica:
                 await self._admin("DELETE", {"role": role, "url": url})
             self._workers[role] = kept
 
+    async def metrics_text(self) -> str:
+        """pd-router's ``/metrics`` (the autoscaler's input; it may run on another node than this replica)."""
+        if self._server is None:
+            raise RuntimeError("pd-router has not started: no decode replica registered yet")
+        timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(self._metrics_url) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"pd-router /metrics: {resp.status}")
+            return await resp.text()
+
     async def check_health(self) -> None:
         if self._server is not None and not self._server.alive():
             raise RuntimeError(f"pd-router exited; log {self._server.log_path}")
@@ -181,6 +192,7 @@ class RouterReplica:
         keys = sorted(cfg.admin_keys())  # client keys do not open the admin API
         self._auth = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         self._admin_url = f"{base}/admin/workers"
+        self._metrics_url = f"{base}/metrics"
         self._server = server
 
     async def _admin(self, method: str, body: dict[str, Any]) -> None:

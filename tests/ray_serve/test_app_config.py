@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from pd_connector.vllm.config import PDConnectorConfig
+from pd_disagg.autoscale.settings import AutoscaleSettings
 from pd_disagg.ray_serve.app_config import AppArgs, AppConfigError, RoleArgs, parse_args
 from pd_disagg.ray_serve.engine_command import engine_argv, kv_transfer_config, side_channel_port
 from pd_disagg.ray_serve.router_config import STAND_IN_DECODE, router_config, worker, write
@@ -126,20 +127,38 @@ def test_written_config_is_what_pd_router_loads(tmp_path: Path) -> None:
     assert tomllib.loads(path.read_text())["prefill"][0]["bootstrap"] == "10.0.0.7:7700"
 
 
-def test_every_argument_is_documented_in_configuration_md() -> None:
-    """docs/configuration.md ``## Ray Serve`` names each argument (a role's as ``prefill.X``, ``decode.X``)."""
+def _ray_serve_rows() -> list[tuple[set[str], str]]:
+    """docs/configuration.md ``## Ray Serve``: each table row's argument names and its default cell."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     section = text.split("\n## Ray Serve\n", 1)[1].split("\n## ", 1)[0]
-    documented = {
-        name
-        for line in section.splitlines()
-        if line.startswith("| `")
-        for name in re.findall(r"`([a-z_.]+)`", line.split(" | ", 1)[0])
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = line.split(" | ")
+            rows.append((set(re.findall(r"`([a-z_.]+)`", cells[0])), cells[1]))
+    return rows
+
+
+def test_every_argument_is_documented_in_configuration_md() -> None:
+    """docs/configuration.md ``## Ray Serve`` names each argument (a role's as ``prefill.X``, ``decode.X``, an
+    autoscaler setting as ``autoscale.X``), and each autoscaler setting with its default."""
+    rows = _ray_serve_rows()
+    documented = {name for names, _ in rows for name in names}
+    nested: dict[str, type[msgspec.Struct]] = {
+        "prefill": RoleArgs,
+        "decode": RoleArgs,
+        "autoscale": AutoscaleSettings,
     }
-    roles = {"prefill", "decode"}
-    expected = {f.name for f in msgspec.structs.fields(AppArgs)} - roles
-    expected |= {f"{role}.{f.name}" for role in roles for f in msgspec.structs.fields(RoleArgs)}
+    expected = {f.name for f in msgspec.structs.fields(AppArgs)} - nested.keys()
+    expected |= {f"{key}.{f.name}" for key, cls in nested.items() for f in msgspec.structs.fields(cls)}
     assert documented == expected
+    for f in msgspec.structs.fields(AutoscaleSettings):
+        [cell] = [default for names, default in rows if f"autoscale.{f.name}" in names]
+        shown = re.findall(r"`([^`]*)`", cell)
+        if f.default is msgspec.NODEFAULT:
+            assert "required" in cell, f.name
+        else:
+            assert shown and json.loads(shown[0]) == f.default, (f.name, cell)
 
 
 def test_a_router_with_client_keys_gets_an_admin_key_of_its_own(tmp_path: Path) -> None:
