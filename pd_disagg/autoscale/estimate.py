@@ -8,7 +8,8 @@ into an ``Estimate``:
   are demand the cluster did not meet), and the share of it routed P->D (route ``disagg``), which is what the
   P pool serves; the D pool serves them all;
 - the prompt lengths of P->D requests (``pd_router_prompt_tokens{route="disagg"}``) and the output limits of
-  all requests (``pd_router_max_tokens``) as lognormals (``prom.fit_lognormal``): the planner sizes from the
+  all requests (``pd_router_max_tokens``) as lognormals (``prom.fit_lognormal``: the spread from the buckets,
+  the exact mean from the sums): the planner sizes from the
   distributions, not their means. The output limit is an upper bound of the output length, so D is sized on the
   safe side; requests without ``max_tokens`` are not in it;
 - SLO attainment: the share of P->D first tokens within the TTFT SLO (``pd_router_ttft_seconds{route="disagg"}``,
@@ -90,8 +91,13 @@ class Window:
             duration_s=duration_s,
             arrival_rate=diff.total("pd_router_requests_total") / duration_s,
             disagg_rate=diff.total("pd_router_requests_total", route="disagg") / duration_s,
-            prompt=prom.fit_lognormal(diff.buckets("pd_router_prompt_tokens", route="disagg")),
-            output=prom.fit_lognormal(diff.buckets("pd_router_max_tokens")),
+            prompt=prom.fit_lognormal(
+                diff.buckets("pd_router_prompt_tokens", route="disagg"),
+                diff.total("pd_router_prompt_tokens_sum", route="disagg"),
+            ),
+            output=prom.fit_lognormal(
+                diff.buckets("pd_router_max_tokens"), diff.total("pd_router_max_tokens_sum")
+            ),
             ttft_attainment=self._attainment(
                 diff.buckets("pd_router_ttft_seconds", route="disagg"), self._ttft_slo_s
             ),

@@ -7,8 +7,9 @@ The controller (``pd_disagg.autoscale.controller``) scrapes pd-router's ``/metri
 Histogram helpers, on a histogram's cumulative bucket counts ``{upper bound: count}`` (+Inf included):
 - ``fraction_at_most``: the share of observations <= x, linear inside the bucket holding x (the assumption of
   PromQL's ``histogram_quantile``);
-- ``fit_lognormal``: median and log-space sigma from the buckets, each bucket's observations at the geometric
-  middle of its bounds, and Sheppard's correction removing the variance the bucketing adds.
+- ``fit_lognormal``: log-space sigma from the buckets, each bucket's observations at the geometric middle of
+  its bounds, with Sheppard's correction removing the variance the bucketing adds; the median from the exact
+  mean (the histogram's sum over its count) when given, else from the buckets too.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def _middles(bounds: Iterable[float]) -> list[tuple[float, float]]:
     return out
 
 
-def fit_lognormal(cumulative: dict[float, float]) -> Lognormal | None:
-    """The lognormal of the observations (None without observations)."""
+def fit_lognormal(cumulative: dict[float, float], observed_sum: float | None = None) -> Lognormal | None:
+    """The lognormal of the observations (None without observations). With ``observed_sum`` (the histogram's
+    ``_sum``) the median is set so that the lognormal's mean is the exact mean, the buckets giving the spread
+    only: a bucket's middle can be ~40% off its observations (all at 32 in the bucket (16, 32])."""
     ordered = sorted(cumulative.items())
     if count(cumulative) <= 0 or any(bound <= 0 for bound, _ in ordered):
         return None
@@ -121,4 +124,7 @@ def fit_lognormal(cumulative: dict[float, float]) -> Lognormal | None:
     mean = sum(c * m for c, (m, _) in zip(counts, places, strict=True)) / total
     variance = sum(c * (m - mean) ** 2 for c, (m, _) in zip(counts, places, strict=True)) / total
     bucketing = sum(c * w * w / 12 for c, (_, w) in zip(counts, places, strict=True)) / total
-    return Lognormal(median=math.exp(mean), sigma=math.sqrt(max(variance - bucketing, 0.0)))
+    sigma = math.sqrt(max(variance - bucketing, 0.0))
+    if observed_sum is not None and observed_sum > 0:
+        return Lognormal(median=observed_sum / total / math.exp(sigma**2 / 2), sigma=sigma)
+    return Lognormal(median=math.exp(mean), sigma=sigma)

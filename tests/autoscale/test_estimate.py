@@ -42,11 +42,27 @@ def test_lognormal_fit_from_the_routers_token_buckets(sigma: float) -> None:
     truth = Lognormal(median=700.0, sigma=sigma)
     for n in truth.sample(np.random.default_rng(0), 20000):
         metrics.lengths("disagg", int(n), None)
-    fitted = prom.fit_lognormal(_scrape(metrics).buckets("pd_router_prompt_tokens", route="disagg"))
-    assert fitted is not None
-    assert fitted.median == pytest.approx(700.0, rel=0.05)
-    assert fitted.sigma == pytest.approx(sigma, abs=0.06)
+    scrape = _scrape(metrics)
+    buckets = scrape.buckets("pd_router_prompt_tokens", route="disagg")
+    total = scrape.total("pd_router_prompt_tokens_sum")
+    for fitted in (prom.fit_lognormal(buckets), prom.fit_lognormal(buckets, total)):
+        assert fitted is not None
+        assert fitted.median == pytest.approx(700.0, rel=0.05)
+        assert fitted.sigma == pytest.approx(sigma, abs=0.06)
     assert prom.fit_lognormal({math.inf: 0.0}) is None
+
+
+def test_the_exact_mean_corrects_lengths_at_a_bucket_bound() -> None:
+    """Every output limit 32: the bucket (16, 32] alone would say a median of 22.6; the sum says 32."""
+    metrics = RouterMetrics()
+    for _ in range(10):
+        metrics.lengths("local", 5, 32)
+    scrape = _scrape(metrics)
+    buckets = scrape.buckets("pd_router_max_tokens")
+    from_buckets = prom.fit_lognormal(buckets)
+    exact = prom.fit_lognormal(buckets, scrape.total("pd_router_max_tokens_sum"))
+    assert from_buckets is not None and from_buckets.median == pytest.approx(math.sqrt(16 * 32))
+    assert exact == Lognormal(median=32.0, sigma=0.0)
 
 
 def test_window_rates_lengths_and_attainment() -> None:
@@ -59,8 +75,8 @@ def test_window_rates_lengths_and_attainment() -> None:
     est = window.add(10.0, _scrape(metrics))
     assert est is not None
     assert est.arrival_rate == pytest.approx(6.0) and est.disagg_rate == pytest.approx(3.0)
-    assert est.prompt is not None and est.prompt.median == pytest.approx(1000, rel=0.3)
-    assert est.output is not None and est.output.median == pytest.approx(100, rel=0.3)
+    assert est.prompt == Lognormal(median=1000.0, sigma=0.0)  # P->D prompts only
+    assert est.output == Lognormal(median=100.0, sigma=0.0)
     assert est.ttft_attainment == 1.0 and est.itl_attainment == 1.0 and est.trend == 0.0
 
 
