@@ -1,8 +1,8 @@
 """The autoscaling loop, engine- and orchestrator-agnostic: scrape, estimate, plan, decide, apply, record.
 
 Who calls what: an adapter (``pd_disagg.ray_serve.autoscaler`` on Ray Serve) builds a ``Controller`` with a
-function returning pd-router's ``/metrics`` text and a ``Scaler`` that reports and sets each role's replicas,
-and awaits ``run``. Every ``interval_s``, ``tick``:
+function returning pd-router's ``/metrics`` text, a ``Scaler`` that reports and sets each role's replicas and
+the logger its decisions go to (Serve's replica log on Ray), and awaits ``run``. Every ``interval_s``, ``tick``:
 
 1. scrapes the router and adds the scrape to the ``estimate.Window``;
 2. asks the scaler for each role's replicas (running, starting, ordered);
@@ -52,8 +52,10 @@ class Controller:
         scrape: Callable[[], Awaitable[str]],
         scaler: Scaler,
         clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger = log,
     ) -> None:
         self.settings = settings
+        self._log = logger
         self.metrics = AutoscaleMetrics()
         self._scrape, self._scaler, self._clock = scrape, scaler, clock
         self._window = Window(
@@ -96,7 +98,7 @@ class Controller:
             )
             self.metrics.decided(decision, plans[role].replicas, current[role])
             level = logging.INFO if decision.changes(current[role]) else logging.DEBUG
-            log.log(level, "%s (%s: %s)", decision.why, decision.reason.value, plans[role].why)
+            self._log.log(level, "%s (%s: %s)", decision.why, decision.reason.value, plans[role].why)
             decisions.append(decision)
         for decision in decisions:
             if decision.changes(current[decision.role]):
@@ -116,7 +118,7 @@ class Controller:
 
     def _failed(self, step: str, error: Exception) -> list[Decision]:
         self.metrics.errors.labels(step).inc()
-        log.warning("autoscaler: %s failed, skipping this interval: %r", step, error)
+        self._log.warning("autoscaler: %s failed, skipping this interval: %r", step, error)
         return []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -126,7 +128,7 @@ class Controller:
             try:
                 await self.tick()
             except Exception as e:  # a bug in one interval must not end the autoscaling
-                log.exception("autoscaler: interval failed")
+                self._log.exception("autoscaler: interval failed")
                 self._failed("tick", e)
             left = self.settings.interval_s - (self._clock() - began)
             with contextlib.suppress(TimeoutError):

@@ -129,9 +129,9 @@ class AutoscalerReplica:
             text: str = await asyncio.wait_for(router.metrics_text.remote(), CALL_TIMEOUT_S)
             return text
 
-        self._controller = Controller(
-            settings, check(settings), scrape, RayServeScaler(dashboard, app, deployments)
-        )
+        scaler = RayServeScaler(dashboard, app, deployments)
+        # Serve's logger: its lines land in this replica's log file (docs/ray.md shows one).
+        self._controller = Controller(settings, check(settings), scrape, scaler, logger=log)
         self._runner = None
         if settings.metrics_port:
             self._runner = await serve_metrics(
