@@ -1,5 +1,5 @@
 """The short chaos run in CI: ``benchmarks.chaos`` on one P and one D vLLM server behind pd-router, 120
-requests with faults overlapping the load, and everything accounted for afterwards (sized to keep CI's test
+requests (completions and chats, streamed and not) with faults overlapping the load, and everything accounted for afterwards (sized to keep CI's test
 phase near its 30-minute budget; the long run is ``python -m benchmarks.chaos``).
 
 Faults: a P killed and restarted, an engine stopped shorter than its heartbeat timeout and one stopped longer
@@ -60,6 +60,10 @@ def test_short_chaos_run_loses_no_token_hangs_nothing_and_leaks_no_block(
     assert all(v == 0 for v in result["open_requests"].values()), result["open_requests"]
     # The load went through P->D for the most part, with integrity mode checking every load.
     assert result["ok"] >= plan.requests // 2, summary
+    # Completions and chats, streamed and not, each answered right (token ids against the known answer).
+    kinds = result["outcomes_by_kind"]
+    assert {k.split()[0] for k in kinds} == {"/v1/completions", "/v1/chat/completions"}, kinds
+    assert len(kinds) == 4 and all(v.get("ok", 0) >= 5 for v in kinds.values()), kinds
     moved = result["connector"]
     assert moved["bytes_sent"] > 0 and moved["transfers_received"] > 0 and moved["integrity_failures"] == 0
     assert (tmp_path / "chaos.png").stat().st_size > 0

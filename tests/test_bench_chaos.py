@@ -1,5 +1,6 @@
 """benchmarks.chaos' own logic without engines: how a request is classified (against a small aiohttp server that
-answers as vLLM does, right or wrong), the seeded fault timeline and the recovery figures."""
+answers as vLLM does, right or wrong, completions and chats, by token ids or by text), the prompts, the seeded
+fault timeline, SGLang's load reading and the recovery figures."""
 
 from __future__ import annotations
 
@@ -13,42 +14,66 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from benchmarks.chaos import FAULT_KINDS, Plan, Record, one_request, recovery, timeline
+from benchmarks.chaos import FAULT_KINDS, PHASE_FAULTS, Plan, run
+from benchmarks.chaos_cluster import _loads
+from benchmarks.chaos_load import Answer, Prompt, Record, one_request, prompts, recovery, timeline
 
 pytestmark = pytest.mark.unit
 
 WANT = [5, 6, 7, 8]
 PLAN = Plan(model=Path(), requests=1000, deadline_s=2.0)
+COMPLETION, CHAT = Prompt(tokens=(1, 2)), Prompt(message="a b")
+
+
+def _text(ids: list[int]) -> str:
+    return "".join(f"t{i} " for i in ids)
 
 
 def _server(
     text: list[int], stream_error: bool = False, status: int = 200, stall: bool = False
 ) -> web.Application:
-    async def completions(request: web.Request) -> web.StreamResponse:
+    """Answers ``text`` (token ids; their text is ``_text``) as vLLM does: completions and chats, whole or
+    streamed in two parts, with token ids when asked for."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        chat = "messages" in body
+        ids = bool(body.get("return_token_ids"))
         if status != 200:
             return web.json_response({"error": "no"}, status=status)
         if stall:
             await asyncio.sleep(10)  # longer than the plan's deadline: the client must give up
+
+        def choice(part: list[int], stream: bool) -> dict[str, Any]:
+            out: dict[str, Any] = {"text": _text(part)} if not chat else {}
+            if chat:
+                out["delta" if stream else "message"] = {"role": "assistant", "content": _text(part)}
+            if ids:
+                out["token_ids"] = part
+            return out
+
         if not body["stream"]:
-            return web.json_response({"choices": [{"text": "", "token_ids": text}]})
+            return web.json_response({"choices": [choice(text, False)]})
         resp = web.StreamResponse()
         await resp.prepare(request)
         half = len(text) // 2
         for part in (text[:half], text[half:]):
-            event = {"choices": [{"text": "", "token_ids": part}]}
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write(f"data: {json.dumps({'choices': [choice(part, True)]})}\n\n".encode())
             if stream_error:
                 await resp.write(f"data: {json.dumps({'error': {'message': 'gone'}})}\n\n".encode())
                 return resp
+        await resp.write(f"data: {json.dumps({'choices': []})}\n\n".encode())  # a usage chunk has none
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/completions", answer)
+    app.router.add_post("/v1/chat/completions", answer)
     return app
 
 
+@pytest.mark.parametrize("prompt", [COMPLETION, CHAT], ids=["completion", "chat"])
+@pytest.mark.parametrize("by_ids", [True, False], ids=["ids", "text"])
 @pytest.mark.parametrize(
     ("server", "mode", "outcome"),
     [
@@ -63,25 +88,71 @@ def _server(
         (dict(text=WANT, stall=True), "plain", "hung"),
     ],
 )
-async def test_each_answer_is_classified(server: dict[str, Any], mode: str, outcome: str) -> None:
+async def test_each_answer_is_classified(
+    server: dict[str, Any], mode: str, outcome: str, prompt: Prompt, by_ids: bool
+) -> None:
+    """By token ids or, where the engine gives none (SGLang's chats), by text: the same verdicts."""
     srv = TestServer(_server(**server))
     await srv.start_server()
+    answer = Answer(tuple(WANT) if by_ids else None, _text(WANT))
     try:
         async with aiohttp.ClientSession() as session:
             url = str(srv.make_url("")).rstrip("/")
-            record = await one_request(session, url, [1, 2], WANT, PLAN, mode, 0.0)
+            record = await one_request(session, url, prompt, answer, 4, PLAN.deadline_s, mode, 0.0)
     finally:
         await srv.close()
     assert record.outcome == outcome, record
+    assert record.kind == prompt.path + ("" if mode == "plain" else " stream")
+
+
+def test_prompts_are_seeded_mixed_and_fit_the_context(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    items = prompts(tmp_path, 30, seed=0)
+    assert items == prompts(tmp_path, 30, seed=0) != prompts(tmp_path, 30, seed=1)
+    chats = [p for p in items if p.chat]
+    assert len(chats) == 15 and all(p.path == "/v1/chat/completions" and not p.tokens for p in chats)
+    completions = [p for p in items if not p.chat]
+    assert all(
+        p.path == "/v1/completions" and min(p.tokens) >= 10 and max(p.tokens) < 990 for p in completions
+    )
+    assert {len(p.tokens) <= 120 for p in completions} == {True, False}  # short (D alone) and long (P->D)
+    assert max(len(p.tokens) for p in completions) <= 800
+    assert max(len(p.message.split()) for p in chats) <= 420 < 2 * max(len(p.message.split()) for p in chats)
+
+
+def test_faults_that_do_not_apply_to_a_phase_are_refused(tmp_path: Path) -> None:
+    assert "proxy_reset" in PHASE_FAULTS["vllm"] and "proxy_reset" not in PHASE_FAULTS["sglang"]
+    plan = Plan(model=tmp_path, engine="sglang", prefills=1, decodes=1, faults={"proxy_reset": 1})
+    with pytest.raises(ValueError, match="proxy_reset"):
+        run(plan, tmp_path)  # refused before anything starts
+
+
+def test_sglang_loads_are_summed_over_ranks_and_queues() -> None:
+    """SGLang's /v1/loads shape (one entry per DP rank, the disaggregation section as a dict)."""
+    loads = {
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_used_tokens": 30,
+                "token_usage": 0.1,
+                "num_running_reqs": 1,
+                "num_waiting_reqs": 2,
+                "disaggregation": {"mode": "prefill", "prefill_inflight_queue_reqs": 3},
+            },
+            {"dp_rank": 1, "num_used_tokens": 12, "num_running_reqs": 0, "num_total_tokens": 99},
+        ]
+    }
+    assert _loads(loads) == (42, 6)
+    assert _loads({"loads": [{"dp_rank": 0, "num_used_tokens": 0, "disaggregation": None}]}) == (0, 0)
 
 
 def test_the_timeline_is_seeded_ordered_and_inside_the_load() -> None:
-    plan = Plan(model=Path(), requests=1000, faults=dict.fromkeys(FAULT_KINDS, 3))
-    events = timeline(plan)
-    assert events == timeline(plan) and events == sorted(events)
+    faults = dict.fromkeys(FAULT_KINDS, 3)
+    events = timeline(1000, faults, seed=0)
+    assert events == timeline(1000, faults, seed=0) and events == sorted(events)
     assert len(events) == 3 * (len(FAULT_KINDS) - 1)  # client disconnects are drawn per request instead
     assert all(50 <= at <= 850 for at, _ in events)
-    assert timeline(Plan(model=Path(), requests=1000, seed=1, faults=plan.faults)) != events
+    assert timeline(1000, faults, seed=1) != events
 
 
 def test_recovery_is_the_first_right_answer_started_after_the_fault() -> None:
