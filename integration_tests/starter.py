@@ -3,7 +3,9 @@
 Used by the ``start_servers`` fixture (integration_tests/conftest.py, one test module's servers) and by the
 package-scoped fixtures of integration_tests/pd_connector/ (one P/D cluster shared by several files). Every
 server is started in parallel and health-checked; each is stopped by PID/process group when the scope ends,
-also when a test failed or a start failed.
+also when a test failed or a start failed, and the scope's teardown fails if any process of a stopped server's
+group is still alive (an engine's EngineCore or worker outliving its API server would hold a core and GiBs
+for every later module).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pd_disagg.servers import ManagedServer, ServerStartError
+from pd_disagg.servers import ManagedServer, ServerStartError, process_group_members
 
 SERVER_START_TIMEOUT_S = float(os.environ.get("PD_TEST_SERVER_TIMEOUT_S", "420"))
 
@@ -46,3 +48,6 @@ def server_starter() -> Iterator[Callable[..., list[ManagedServer]]]:
     finally:
         for server in reversed(started):
             server.stop()
+        left = {s.name: members for s in started if s.proc and (members := process_group_members(s.pid))}
+        if left:
+            raise AssertionError(f"processes left after stop (server: pids): {left}")

@@ -1,7 +1,8 @@
 """pd-router (a real process) in front of real vLLM CPU servers on the tiny model.
 
-Two decode servers (one per core) behind the router. Proven here: the threshold path (a short prompt goes to
-a decode server only and its greedy output equals calling that server directly), the official ``openai``
+Two decode servers (one per core, float32) behind the router. Proven here: a server's greedy tokens equal
+transformers' own (the engine itself, before anything of ours is in the path), the threshold path (a short
+prompt goes to a decode server only and its greedy output equals calling that server directly), the official ``openai``
 client through the router, and a decode server SIGKILLed mid-stream with the other one continuing the
 stream. The kill test runs last in this module because it leaves one decode server dead. The P/D path through
 the router with real PDConnector servers is proven in ``test_topologies.py`` (two P, two D, both vLLM flows)
@@ -34,7 +35,12 @@ def decode_servers(start_servers, tiny_model: Path, log_dir: Path) -> list[Manag
     return start_servers(
         *(
             vllm_server(
-                tiny_model, log_dir=log_dir, name=f"router-d{i}", cpu_core=i, max_model_len=MAX_MODEL_LEN
+                tiny_model,
+                log_dir=log_dir,
+                name=f"router-d{i}",
+                cpu_core=i,
+                dtype="float32",
+                max_model_len=MAX_MODEL_LEN,
             )
             for i in range(2)
         )
@@ -83,6 +89,28 @@ async def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
 async def _metrics(url: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         return await r.text()
+
+
+async def test_greedy_tokens_match_transformers(decode_servers, tiny_model: Path) -> None:
+    """The engine alone (no router, no connector) against transformers' greedy generation, float32 on both
+    sides: every P/D and router test compares against this server's answers, so they must be the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    for prompt in ("def hello(world):", "import os\nimport sys\n\nclass Foo:", "The quick brown fox " * 20):
+        body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        status, out = await _post(
+            base_url(decode_servers[0]), "/v1/completions", body | {"return_token_ids": True}
+        )
+        assert status == 200, out
+        served = json.loads(out)["choices"][0]["token_ids"]
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            reference = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
+        assert served == reference.tolist(), f"prompt {prompt[:30]!r}"
+        assert len(served) == 24
 
 
 async def test_short_prompt_threshold_path_equals_decode_directly(
