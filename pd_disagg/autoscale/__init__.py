@@ -2,7 +2,8 @@
 
 One job per module: ``settings`` (the settings, one definition), ``prom`` (Prometheus text and histogram
 arithmetic), ``estimate`` (the live workload over a window of pd-router's metrics), ``plan`` (replicas per role
-from ``planner.tails``), ``policy`` (the decision: hysteresis, bounds, cooldown, starting replicas), ``metrics``
-(``pd_autoscale_*``) and ``controller`` (the loop). An orchestrator adapter supplies the metrics text and a
-``controller.Scaler``; Ray Serve's is ``pd_disagg.ray_serve.autoscaler``.
+from ``planner.tails``), ``policy`` (the decision: hysteresis, bounds, cooldown, starting replicas),
+``startup`` (replica start time as measured), ``metrics`` (``pd_autoscale_*``) and ``controller`` (the loop).
+An orchestrator adapter supplies the metrics text and a ``controller.Scaler``; Ray Serve's is
+``pd_disagg.ray_serve.autoscaler``.
 """

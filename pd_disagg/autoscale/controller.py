@@ -6,7 +6,8 @@ the logger its decisions go to (Serve's replica log on Ray), and awaits ``run``.
 
 1. scrapes the router and adds the scrape to the ``estimate.Window``;
 2. asks the scaler for each role's replicas (running, starting, ordered);
-3. plans P and D together from the same estimate (``plan.Planner``, a replica start time ahead);
+3. plans P and D together from the same estimate (``plan.Planner``), a replica start time ahead (as measured
+   by ``startup.StartTimes``, the setting until then);
 4. decides each role (``policy.decide``: up at once, down after a hold, bounds, cooldown) and applies the
    targets that changed; each decision is one log line saying why and is counted in ``pd_autoscale_*``.
 
@@ -29,6 +30,7 @@ from pd_disagg.autoscale.metrics import AutoscaleMetrics
 from pd_disagg.autoscale.plan import Planner
 from pd_disagg.autoscale.policy import Decision, Limits, Memory, Replicas, decide
 from pd_disagg.autoscale.settings import ROLES, AutoscaleSettings
+from pd_disagg.autoscale.startup import StartTimes
 from planner.profile import Profile
 
 log = logging.getLogger("pd_disagg.autoscale")
@@ -63,6 +65,7 @@ class Controller:
         )
         self._planner = Planner(profile, settings.ttft_slo_s, settings.tpot_slo_s, settings.percentile)
         self._memory = {role: Memory() for role in ROLES}
+        self.starts = StartTimes(settings.replica_start_s)
         self._limits = {
             role: Limits(*settings.bounds(role), settings.scale_down_hold_s, settings.cooldown_s)
             for role in ROLES
@@ -83,8 +86,10 @@ class Controller:
             current = await self._scaler.replicas()
         except Exception as e:
             return self._failed("replicas", e)
+        self.starts.observe(current, now)
+        self.metrics.started(self.starts.measured_s)
         # The planner's bisections take up to ~0.1 s per new length distribution: off the event loop.
-        plans = await asyncio.to_thread(self._planner.plan, estimate, self.settings.replica_start_s)
+        plans = await asyncio.to_thread(self._planner.plan, estimate, self.starts.lead_s())
         decisions = []
         for role in ROLES:
             decision, self._memory[role] = decide(
@@ -106,6 +111,8 @@ class Controller:
                     await self._scaler.scale(decision.role, decision.target)
                 except Exception as e:
                     self._failed("scale", e)
+                else:
+                    self.starts.ordered(decision.role, decision.target, current[decision.role], now)
         return decisions
 
     def _missed(self, role: str, estimate: Estimate) -> bool:

@@ -48,6 +48,12 @@ class AutoscaleMetrics:
             ["slo"],
             registry=r,
         )
+        self.start_time = Gauge(
+            "pd_autoscale_replica_start_seconds",
+            "Measured: from a scale-up's order until that many replicas ran (the plan's look-ahead)",
+            ["role"],
+            registry=r,
+        )
         self.errors = Counter(
             "pd_autoscale_errors",
             "Intervals that failed, by step (scrape, replicas, scale, tick)",
@@ -60,6 +66,10 @@ class AutoscaleMetrics:
         self.arrival_rate.labels("disagg").set(estimate.disagg_rate)
         for slo, value in (("ttft", estimate.ttft_attainment), ("itl", estimate.itl_attainment)):
             self.attainment.labels(slo).set(-1 if value is None else value)
+
+    def started(self, measured_s: dict[str, float]) -> None:
+        for role, seconds in measured_s.items():
+            self.start_time.labels(role).set(seconds)
 
     def decided(self, decision: Decision, planned: int | None, replicas: Replicas) -> None:
         role = decision.role

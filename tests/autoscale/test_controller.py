@@ -88,10 +88,13 @@ async def test_decode_follows_the_load_up_at_once_and_down_after_the_hold(tmp_pa
         reasons.append(next(d.reason for d in await controller.tick() if d.role == "decode"))
     assert reasons == [Reason.HOLD, Reason.HOLD, Reason.HOLD, Reason.PLAN_DOWN, Reason.STEADY]
     assert scaler.calls[-1] == ("decode", 1)
+    # The recording scaler's replicas run as soon as ordered: measured at the next interval.
+    assert controller.starts.measured_s == {"prefill": 10.0, "decode": 10.0}
     text = controller.metrics.render().decode()
     assert 'pd_autoscale_desired_replicas{role="decode"} 1.0' in text
     assert 'pd_autoscale_decisions_total{reason="plan_up",role="decode"} 1.0' in text
     assert 'pd_autoscale_decisions_total{reason="plan_down",role="decode"} 1.0' in text
+    assert 'pd_autoscale_replica_start_seconds{role="decode"} 10.0' in text
 
 
 async def test_a_failed_scrape_skips_the_interval_and_is_counted(tmp_path: Path) -> None:
