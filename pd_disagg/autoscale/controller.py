@@ -66,6 +66,7 @@ class Controller:
         self._planner = Planner(profile, settings.ttft_slo_s, settings.tpot_slo_s, settings.percentile)
         self._memory = {role: Memory() for role in ROLES}
         self.starts = StartTimes(settings.replica_start_s)
+        self._failing: set[str] = set()  # steps whose last attempt failed
         self._limits = {
             role: Limits(*settings.bounds(role), settings.scale_down_hold_s, settings.cooldown_s)
             for role in ROLES
@@ -77,6 +78,7 @@ class Controller:
             scrape = prom.Scrape.parse(await self._scrape())
         except Exception as e:
             return self._failed("scrape", e)
+        self._worked("scrape")
         now = self._clock()
         estimate = self._window.add(now, scrape)
         if estimate is None:
@@ -86,6 +88,7 @@ class Controller:
             current = await self._scaler.replicas()
         except Exception as e:
             return self._failed("replicas", e)
+        self._worked("replicas")
         self.starts.observe(current, now)
         self.metrics.started(self.starts.measured_s)
         # The planner's bisections take up to ~0.1 s per new length distribution: off the event loop.
@@ -112,6 +115,7 @@ class Controller:
                 except Exception as e:
                     self._failed("scale", e)
                 else:
+                    self._worked("scale")
                     self.starts.ordered(decision.role, decision.target, current[decision.role], now)
         return decisions
 
@@ -124,9 +128,18 @@ class Controller:
         return late or (role == "decode" and estimate.waiting > 0)
 
     def _failed(self, step: str, error: Exception) -> list[Decision]:
+        """Count a failed step; log it as a warning when it starts failing, then quietly until it works again
+        (pd-router is not up until the first decode replica is: that is many intervals)."""
         self.metrics.errors.labels(step).inc()
-        self._log.warning("autoscaler: %s failed, skipping this interval: %r", step, error)
+        level = logging.DEBUG if step in self._failing else logging.WARNING
+        self._failing.add(step)
+        self._log.log(level, "autoscaler: %s failed, skipping this interval: %r", step, error)
         return []
+
+    def _worked(self, step: str) -> None:
+        if step in self._failing:
+            self._failing.discard(step)
+            self._log.info("autoscaler: %s works again", step)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every ``interval_s`` until ``stop`` is set."""

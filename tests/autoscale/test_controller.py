@@ -5,6 +5,7 @@ and ``run`` stops when told."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import aiohttp
@@ -97,7 +98,9 @@ async def test_decode_follows_the_load_up_at_once_and_down_after_the_hold(tmp_pa
     assert 'pd_autoscale_replica_start_seconds{role="decode"} 10.0' in text
 
 
-async def test_a_failed_scrape_skips_the_interval_and_is_counted(tmp_path: Path) -> None:
+async def test_a_failed_scrape_skips_the_interval_and_is_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     settings = _settings(tmp_path)
     scaler = RecordingScaler()
 
@@ -105,8 +108,11 @@ async def test_a_failed_scrape_skips_the_interval_and_is_counted(tmp_path: Path)
         raise aiohttp.ClientConnectionError("router down")
 
     controller = Controller(settings, check(settings), scrape, scaler)
-    assert await controller.tick() == [] and scaler.calls == []
-    assert 'pd_autoscale_errors_total{step="scrape"} 1.0' in controller.metrics.render().decode()
+    with caplog.at_level(logging.DEBUG, "pd_disagg.autoscale"):
+        assert await controller.tick() == [] and await controller.tick() == [] and scaler.calls == []
+    assert 'pd_autoscale_errors_total{step="scrape"} 2.0' in controller.metrics.render().decode()
+    # One warning when it starts failing, not one per interval.
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.DEBUG]
 
 
 async def test_run_ticks_until_stopped_and_serves_its_metrics(tmp_path: Path) -> None:
