@@ -2,7 +2,9 @@
 where the first token's time went.
 
 Per model (``--models``: the real SmolLM2-135M-Instruct, on prompts of real text from ``benchmarks.prompts``;
-the tiny test model and the bench model, on random token ids), one P (core 0), one D (core 1) and pd-router
+the tiny test model and the bench model, on random token ids), one P (core 0), one D (core 1; with
+``--confine``, the default, each server's every process stays on its core, standing in for separate hosts:
+otherwise a waiting D's front end and idle steps run on P's core and slow its prefill) and pd-router
 (flow pd-push, every prompt P->D) run with the first-token trace on (P, D and the router append to one trace
 file, docs/architecture.md ``## First-token trace``). For each prompt length (``--lengths``) and repetition,
 in shuffled order and each with a fresh random token-id prompt (no prefix-cache hits), three streamed
@@ -13,7 +15,8 @@ requests are timed on the client side (greedy, ``--max-tokens`` each, float32 so
 ``fixed_overhead_ms`` is, per repetition, TTFT pd minus the prefill request's TTFT (what the P/D path adds
 to P's own prefill), then the median. ITL is the gaps between the events the client got (one per token
 unless an engine merged them), pd vs colocated. ``stages_ms`` is the median of each span between anchor
-stamps of the P/D requests' trace records (see ``SPANS``): what the fixed cost is made of.
+stamps of the P/D requests' trace records along the first token's path (``SPANS``: with first-token seeding
+it runs through P's answer), ``handoff_ms`` the same for the hand-off to D beside it (``HANDOFF``).
 
 Progress on stderr; the last stdout line is the JSON summary; ``--plot`` writes a PNG of the stages
 (docs/performance.md ``## first_token``).
@@ -43,16 +46,20 @@ from pd_disagg.tiny_model import bench_model
 LOG_DIR = Path("logs/benchmarks/first_token")
 SERVED = "model"
 #: The first token's path as spans between anchor stamps, in order: (name, (component, stage) from, to).
-#: Their sum is the router's TTFT; components are the trace records' (prefill, decode, router).
+#: Their sum is the router's TTFT: with first-token seeding the client's first token is P's, so the path runs
+#: through P's answer; components are the trace records' (prefill, decode, router).
 SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("router_in", ("router", "received"), ("router", "prefill_sent")),
     ("to_p_engine", ("router", "prefill_sent"), ("prefill", "offered")),
     ("p_prefill", ("prefill", "offered"), ("prefill", "prompt_done")),
+    ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
+    ("router_out", ("router", "prefill_returned"), ("router", "client_first_byte")),
+)
+#: The hand-off to D, beside that path (D continues from P's token once its load is reported).
+HANDOFF: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
     ("done_to_d", ("prefill", "done"), ("decode", "done")),
     ("d_report", ("decode", "done"), ("decode", "reported")),
-    ("d_first_token", ("decode", "reported"), ("router", "decode_first_event")),
-    ("router_out", ("router", "decode_first_event"), ("router", "client_first_byte")),
 )
 
 
@@ -93,7 +100,14 @@ class Cluster:
     """P, D and pd-router for one model, with the trace on; stopped by ``close`` (also on failure)."""
 
     def __init__(
-        self, name: str, model: Path, transport: str, idle_spin_s: float, max_len: int, real_text: bool
+        self,
+        name: str,
+        model: Path,
+        transport: str,
+        idle_spin_s: float,
+        max_len: int,
+        real_text: bool,
+        confine: bool,
     ) -> None:
         self.trace = (LOG_DIR / f"{name}-trace.jsonl").resolve()
         self.trace.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +133,7 @@ class Cluster:
                 log_dir=LOG_DIR,
                 name=f"{name}-{role}",
                 cpu_core=core,
+                confine=confine,
                 dtype="float32",
                 max_model_len=max_len,
                 kv_transfer_config=kv[role],
@@ -169,15 +184,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def stage_breakdown(records: list[TraceRecord]) -> dict[str, float]:
-    """Median milliseconds of each ``SPANS`` entry over the P/D requests whose three records are complete."""
+def stage_breakdown(
+    records: list[TraceRecord], spans: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = SPANS
+) -> dict[str, float]:
+    """Median milliseconds of each of ``spans`` over the P/D requests whose three records are complete."""
     by_id: dict[str, dict[str, dict[str, float]]] = {}
     for record in records:
         if record.transfer_id and (record.component == "router" or record.state == "done"):
             by_id.setdefault(record.transfer_id, {})[record.component] = record.stages
-    values: dict[str, list[float]] = {name: [] for name, _, _ in SPANS}
+    values: dict[str, list[float]] = {name: [] for name, _, _ in spans}
     for parts in by_id.values():
-        for name, (ca, sa), (cb, sb) in SPANS:
+        for name, (ca, sa), (cb, sb) in spans:
             if sa in parts.get(ca, {}) and sb in parts.get(cb, {}):
                 values[name].append(1000 * (parts[cb][sb] - parts[ca][sa]))
     return {name: round(statistics.median(v), 2) for name, v in values.items() if v}
@@ -226,7 +243,8 @@ def measure(
                 }
                 for kind in ("pd", "colocated")
             },
-            "stages_ms": stage_breakdown([r for r in records if r.transfer_id in pd_ids[length]]),
+            "stages_ms": stage_breakdown(mine := [r for r in records if r.transfer_id in pd_ids[length]]),
+            "handoff_ms": stage_breakdown(mine, HANDOFF),
         }
     return out
 
@@ -283,6 +301,12 @@ def main() -> None:
         default=PDConnectorConfig.idle_spin_s,
         help="the connector's idle_spin_s on P and D (1: vLLM's own spin)",
     )
+    parser.add_argument(
+        "--confine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each server's every process on its core, as on separate hosts (else only vLLM's OpenMP threads)",
+    )
     parser.add_argument("--plot", type=Path, help="write the stage breakdown as a PNG here")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -298,6 +322,7 @@ def main() -> None:
             args.idle_spin_s,
             max_len,
             real_text=name == "smollm2",
+            confine=args.confine,
         )
         try:
             log(f"{name}: starting P, D and pd-router")
@@ -314,6 +339,7 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "transport": args.transport,
             "idle_spin_s": args.idle_spin_s,
+            "confine": args.confine,
             "flow": "pd-push",
         },
     }

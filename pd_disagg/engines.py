@@ -56,6 +56,7 @@ def vllm_server(
     name: str = "vllm",
     port: int | None = None,
     cpu_core: int | str | None = None,
+    confine: bool = False,
     kv_cache_gib: int = 1,
     max_model_len: int = 1024,
     dtype: str = "bfloat16",
@@ -67,12 +68,16 @@ def vllm_server(
     """A vLLM OpenAI server on ``127.0.0.1:port`` (not yet started).
 
     ``cpu_core`` pins vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two servers on a two-core
-    machine do not fight over the same core. ``kv_transfer_config`` is a dict (passed as JSON text) or the
+    machine do not fight over the same core. ``confine`` also keeps every other process of the server (API
+    server, EngineCore) on those cores (``taskset``): a benchmark standing in for servers on separate hosts
+    uses it, so one server's front end and idle loops do not run on the other's core. ``kv_transfer_config`` is a dict (passed as JSON text) or the
     path of a JSON file (passed as the path: ``pd-vllm`` reads it). ``cwd``: the server's working directory
     (relative model and config paths resolve there).
     """
     port = port or free_port()
+    cores = str(cpu_core).replace("|", ",")
     argv = [
+        *(["taskset", "-c", cores] if confine and cpu_core is not None else []),
         sys.executable,
         "-m",
         "pd_disagg.vllm_launcher",

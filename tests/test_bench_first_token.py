@@ -1,14 +1,18 @@
 """The first-token benchmark's breakdown joins the three records of a P/D request (router, P, D) on the
-transfer id, measures each span between anchor stamps, and leaves out what it cannot join."""
+transfer id, measures each span between anchor stamps, and leaves out what it cannot join; its servers can be
+confined to their cores."""
 
 from __future__ import annotations
 
-from benchmarks.first_token import SPANS, stage_breakdown
+from pathlib import Path
+
+from benchmarks.first_token import HANDOFF, SPANS, stage_breakdown
 from pd_connector.trace import TraceRecord
+from pd_disagg.engines import vllm_server
 
 
 def _request(tid: str, shift: float, state: str = "done") -> list[TraceRecord]:
-    router = {"received": 0.0, "prefill_sent": 0.001, "decode_first_event": 0.2, "client_first_byte": 0.201}
+    router = {"received": 0.0, "prefill_sent": 0.001, "prefill_returned": 0.17, "client_first_byte": 0.171}
     prefill = {"offered": 0.01, "prompt_done": 0.15, "done": 0.152}
     decode = {"done": 0.153, "reported": 0.16}
     return [
@@ -24,10 +28,19 @@ def test_spans_of_joined_requests_add_up_to_the_routers_ttft() -> None:
     )
     stages = stage_breakdown(records)
     assert list(stages) == [name for name, _, _ in SPANS]
-    assert stages["p_prefill"] == 140.0 and stages["d_first_token"] == 40.0
-    assert round(sum(stages.values()), 6) == 201.0  # received -> client_first_byte
+    assert stages["p_prefill"] == 140.0 and stages["p_answer"] == 20.0
+    assert round(sum(stages.values()), 6) == 171.0  # received -> client_first_byte, through P's answer
+    handoff = stage_breakdown(records, HANDOFF)
+    assert handoff == {"p_exposed_transfer": 2.0, "done_to_d": 1.0, "d_report": 7.0}
 
 
 def test_failed_transfers_are_left_out() -> None:
     stages = stage_breakdown(_request("a", 0.0, state="failed"))
     assert "p_prefill" not in stages and stages["router_in"] == 1.0
+
+
+def test_confine_runs_every_process_of_a_server_on_its_cores(tmp_path: Path) -> None:
+    confined = vllm_server("m", log_dir=tmp_path, cpu_core="0|1", confine=True)
+    assert list(confined.argv[:3]) == ["taskset", "-c", "0,1"]
+    assert confined.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert vllm_server("m", log_dir=tmp_path, cpu_core=1).argv[0] != "taskset"
