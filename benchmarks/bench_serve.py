@@ -1,7 +1,7 @@
 """TTFT and ITL through pd-router (P->D) against colocated, measured by vLLM's own load generator.
 
 Issue 18's user-side measurement, rerunnable: one P (core 0), one D (core 1) and pd-router (flow pd-push,
-every prompt P->D), the same cluster as ``benchmarks.first_token``; ``pd-vllm bench serve`` (vLLM's
+every prompt P->D), the same cluster as ``benchmarks.first_token`` (``--confine`` too); ``pd-vllm bench serve`` (vLLM's
 ``vllm bench serve`` behind pd-disagg's version shim) sends ``--num-prompts`` random-token prompts of
 ``--input-len`` tokens, ``--output-len`` tokens each (ignore_eos), Poisson at ``--rate`` requests/s, streamed:
 - ``pd``: to pd-router (P->D);
@@ -72,6 +72,12 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per bench serve run")
+    parser.add_argument(
+        "--confine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each server's every process on its core, as on separate hosts (benchmarks.first_token)",
+    )
     args = parser.parse_args()
     model = args.model.resolve()
     cluster = Cluster(
@@ -81,6 +87,7 @@ def main() -> None:
         PDConnectorConfig.idle_spin_s,
         args.input_len + args.output_len + 16,
         False,
+        args.confine,
     )
     runs: dict[str, list[dict[str, float]]] = {"pd": [], "colocated": []}
     try:
