@@ -6,4 +6,5 @@ Engine-agnostic core first, engine adapter last:
 - ``budget``: picks the prefill chunk that keeps the predicted iteration under the ITL target, and the order
   in which waiting prefills are served.
 - ``vllm``: ``SLOScheduler``, a thin subclass of vLLM's v1 ``Scheduler`` (``--scheduler-cls``).
+- ``sglang``: hooks on SGLang's ``Scheduler`` (``PD_SGLANG_SCHEDULER=slo``) that size each prefill chunk.
 """

@@ -80,3 +80,13 @@ def load_settings(env: Mapping[str, str], additional_config: Mapping[str, Any] |
         return msgspec.convert(merged, SchedulerSettings, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid scheduler_plugins setting: {exc}") from exc
+
+
+def positive_ms(value: Any) -> float | None:
+    """A per-request target (``itl_target_ms``, ``ttft_target_ms``) as a positive number of milliseconds, None
+    when it is not one (the adapters then keep the server's target and log a warning)."""
+    try:
+        target = float(value)
+    except (TypeError, ValueError):
+        return None
+    return target if target > 0 else None

@@ -27,6 +27,7 @@ are small and safe; the first measured chunk steps replace it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,20 @@ class StepShape:
 def attended_pairs(new_tokens: int, cached_tokens: int) -> float:
     """Attention (query, key) pairs for ``new_tokens`` appended after ``cached_tokens`` (causal)."""
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+
+
+def step_shape(rows: Iterable[tuple[int, int]]) -> StepShape:
+    """The shape of a step from its rows ``(new tokens, tokens already cached)``: a row of one new token is a
+    decode, any other row's tokens are prefill tokens. Each engine adapter lists the rows of the step it ran."""
+    prefill_tokens = decodes = 0
+    pairs = 0.0
+    for new, cached in rows:
+        pairs += attended_pairs(new, max(0, cached))
+        if new == 1:
+            decodes += 1
+        else:
+            prefill_tokens += new
+    return StepShape(prefill_tokens=prefill_tokens, decodes=decodes, attended_context=pairs)
 
 
 class CostModel:

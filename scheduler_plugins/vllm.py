@@ -36,8 +36,8 @@ from vllm.v1.request import Request
 
 from pd_connector.vllm import compat
 from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
-from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
-from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
+from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
+from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
 logger = init_logger(f"vllm.{__name__}")
@@ -91,11 +91,8 @@ class SLOScheduler(Scheduler):
         value = (compat.extra_args(request) or {}).get(key)
         if value is None:
             return default
-        try:
-            target = float(value)
-        except (TypeError, ValueError):
-            target = -1.0
-        if target <= 0:
+        target = positive_ms(value)
+        if target is None:
             logger.warning("request %s: ignoring invalid %s=%r", request.request_id, key, value)
             return default
         return target
@@ -194,14 +191,8 @@ class SLOScheduler(Scheduler):
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
         """The step's shape, read after the parent advanced ``num_computed_tokens`` by the scheduled tokens."""
-        prefill_tokens = decodes = 0
-        pairs = 0.0
+        rows = []
         for req_id, n in output.num_scheduled_tokens.items():
             request = compat.scheduled_request(self, req_id)
-            cached = (compat.computed_tokens(request) - n) if request is not None else 0
-            pairs += attended_pairs(n, max(0, cached))
-            if n == 1:
-                decodes += 1
-            else:
-                prefill_tokens += n
-        return StepShape(prefill_tokens=prefill_tokens, decodes=decodes, attended_context=pairs)
+            rows.append((n, (compat.computed_tokens(request) - n) if request is not None else 0))
+        return step_shape(rows)

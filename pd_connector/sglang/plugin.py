@@ -7,7 +7,8 @@ reads the flag), and (3) puts an AROUND hook on ``sglang.srt.disaggregation.util
 ``conn.py``'s classes for ``PD`` and defers to SGLang for every other backend, and (4) puts the layer-wise
 push's hooks on ``Scheduler.run_batch`` and ``MHATokenToKVPool.set_kv_buffer`` (``layerwise.py``; they act
 only on a prefill server whose KV manager is ours). Each of these SGLang internals is reached through
-``compat.py``.
+``compat.py``. With ``PD_SGLANG_SCHEDULER=slo`` it also registers the SLO scheduler's hooks
+(``scheduler_plugins.sglang``, through ``compat.scheduler``).
 
 Only SGLang releases of ``compat.SUPPORTED_LINE`` (from ``compat.PROVEN_ON`` on) that have every symbol and
 parameter ``compat.SYMBOLS`` and ``compat.PARAMETERS`` list are registered (with a warning on a release other
@@ -54,6 +55,7 @@ def get_kv_class_hook(original_fn: Callable[..., Any], transfer_backend: Any, cl
 
 def register() -> None:
     """Entry point called by SGLang's ``load_plugins``; logs and returns on any problem."""
+    _register_slo_scheduler()
     try:
         problem = compat.startup_problem()
         if problem is not None:
@@ -68,3 +70,14 @@ def register() -> None:
         compat.hook_layerwise(layerwise.run_batch_hook, layerwise.set_kv_buffer_hook)
     except Exception:
         logger.exception("pd_connector: registering the SGLang transfer backend %r failed", BACKEND_NAME)
+
+
+def _register_slo_scheduler() -> None:
+    """``scheduler_plugins.sglang`` (the SLO scheduler's SGLang adapter) when ``PD_SGLANG_SCHEDULER=slo``;
+    independent of the transfer backend (it serves aggregated servers)."""
+    try:
+        from scheduler_plugins import sglang as slo_scheduler
+
+        slo_scheduler.register()
+    except Exception:
+        logger.exception("pd_connector: registering scheduler_plugins' SLO scheduler failed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
+from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs, step_shape
 
 TRUE = (0.012, 1.1e-3, 0.8e-3, 4e-9)  # a CPU-like law: 12 ms + 1.1 ms/prefill token + ...
 
@@ -120,3 +120,10 @@ def test_start_up_stalls_do_not_make_the_fit_diverge() -> None:
         model.observe(shape := _random_shape(rng), _true_time(shape) * float(rng.uniform(0.97, 1.05)))
     probe = StepShape(prefill_tokens=64, decodes=4, attended_context=4 * 500 + attended_pairs(64, 500))
     assert model.predict(probe) == pytest.approx(_true_time(probe), rel=0.1)
+
+
+def test_step_shape_counts_one_token_rows_as_decodes() -> None:
+    """What both adapters feed the model: rows ``(new tokens, cached tokens)`` of the step that ran."""
+    shape = step_shape([(48, 96), (1, 30), (1, 9), (16, 0)])
+    assert (shape.prefill_tokens, shape.decodes) == (64, 2)
+    assert shape.attended_context == attended_pairs(48, 96) + 31 + 10 + attended_pairs(16, 0)

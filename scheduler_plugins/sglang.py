@@ -1,0 +1,242 @@
+"""SGLang adapter: the SLO policy (``budget``, ``cost_model``) sizing each prefill chunk of an SGLang server.
+
+Enabled with ``PD_SGLANG_SCHEDULER=slo`` in the SGLang server's environment: ``pd_connector.sglang.plugin``
+(the ``sglang.srt.plugins`` entry point) then calls ``register``, which puts four hooks on SGLang's
+``Scheduler`` through SGLang's ``HookRegistry`` (every touch of SGLang is in
+``pd_connector.sglang.compat.scheduler``). All run in SGLang's scheduler process, on its scheduling thread:
+
+- after ``Scheduler.__init__``: settings (``PD_SCHED_*``, as for vLLM) are validated and the server checked;
+  a server the policy cannot serve refuses to start, saying why (``SLOChunker``'s checks);
+- around ``get_new_batch_prefill``: ``scheduler.chunked_prefill_size`` is set, for that call only, to the
+  running decodes + the chunk ``budget.prefill_chunk`` picks for the partial prefill under way (else the first
+  waiting request). SGLang hands it to ``PrefillAdder`` as ``rem_chunk_tokens`` and, with mixed chunks,
+  subtracts the decodes riding along, so the prefill gets exactly the chunk;
+- before ``run_batch`` and after ``process_batch_result``: the step's shape and its time (the forward pass and
+  SGLang's handling of the result) are fed to the cost model.
+
+Piggybacking needs ``--enable-mixed-chunk``: without it SGLang runs prefill chunks as steps of their own and the
+decodes wait for the whole prompt whatever the chunk size, so the adapter refuses to start without it.
+
+Failure policy: SGLang's scheduler must survive our bugs. Any exception in the adapter's per-step work is
+logged in one line and turns the adapter off for that scheduler: SGLang then runs with its own configured
+chunk size. The chosen chunk is logged (logger ``scheduler_plugins.sglang``, INFO) at most every
+``log_interval_s`` and whenever the effective ITL target changes; the integration test reads it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from pd_connector.sglang.compat import scheduler as compat
+from scheduler_plugins.budget import StepPlan, prefill_chunk
+from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
+from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
+
+logger = logging.getLogger(__name__)
+
+#: The switch: ``slo`` turns the adapter on; unset or empty leaves SGLang's scheduler alone.
+ENABLE_ENV = "PD_SGLANG_SCHEDULER"
+ENABLE_VALUE = "slo"
+ITL_TARGET_ARG = "itl_target_ms"  # per request, in ``sampling_params.custom_params``
+#: Steps started but not yet ended (two with the overlap scheduler); a bound, so a step whose result never
+#: comes cannot grow the queue.
+_MAX_IN_FLIGHT = 4
+
+
+class SLOChunker:
+    """One scheduler's policy state: settings, cost model, the steps in flight. Built by ``init_hook``."""
+
+    def __init__(self, settings: SchedulerSettings, facts: compat.ServerFacts) -> None:
+        problems = refusals(settings, facts)
+        if problems:
+            raise ValueError(
+                "scheduler_plugins' SLO scheduler cannot run on this SGLang server: " + "; ".join(problems)
+            )
+        assert facts.chunk_cap is not None  # refusals() checked it
+        self.slo = settings
+        self.engine_cap = facts.chunk_cap
+        self.align = settings.chunk_align(facts.page_size)
+        self.min_chunk = settings.min_chunk(facts.page_size)
+        self.cost_model = CostModel()
+        self.active = True
+        self.last_chunk: int | None = None
+        self._in_flight: deque[tuple[StepShape, float]] = deque(maxlen=_MAX_IN_FLIGHT)
+        self._last_log = 0.0
+        self._last_target_ms = settings.itl_target_ms
+
+    def chunked_prefill_size(self, view: compat.PrefillView) -> int | None:
+        """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is pending
+        (SGLang's value stays)."""
+        if view.candidate_cached is None:
+            return None
+        target_ms = min([self.slo.itl_target_ms, *(self._target_ms(p) for p in view.targets)])
+        decodes = len(view.decode_lengths)
+        plan = StepPlan(
+            decodes=decodes,
+            decode_context=sum(view.decode_lengths),
+            prefill_cached=view.candidate_cached,
+            max_step_tokens=self.engine_cap,
+        )
+        limit_s = target_ms / 1e3 * self.slo.headroom
+        chunk = prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk)
+        self.last_chunk = chunk
+        self._log(target_ms, chunk, plan, limit_s)
+        return max(1, min(self.engine_cap, decodes + chunk))
+
+    def _target_ms(self, params: Any) -> float:
+        value = params.get(ITL_TARGET_ARG) if isinstance(params, Mapping) else None
+        if value is None:
+            return self.slo.itl_target_ms
+        target = positive_ms(value)
+        if target is None:
+            logger.warning("ignoring invalid custom_params %s=%r", ITL_TARGET_ARG, value)
+            return self.slo.itl_target_ms
+        return target
+
+    def step_started(self, rows: list[tuple[int, int]]) -> None:
+        self._in_flight.append((step_shape(rows), time.perf_counter()))
+
+    def step_ended(self) -> None:
+        if self._in_flight:
+            shape, started = self._in_flight.popleft()
+            self.cost_model.observe(shape, time.perf_counter() - started)
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Turn the adapter off for this scheduler, in one log line: SGLang's own chunk size from now on."""
+        self.active = False
+        logger.error(
+            "SLO scheduler: %s failed (%s: %s); SGLang's own chunk size (%d) from now on",
+            where,
+            type(exc).__name__,
+            exc,
+            self.engine_cap,
+        )
+
+    def _log(self, target_ms: float, chunk: int, plan: StepPlan, limit_s: float) -> None:
+        now = time.monotonic()
+        if target_ms == self._last_target_ms and now - self._last_log < self.slo.log_interval_s:
+            return
+        self._last_log, self._last_target_ms = now, target_ms
+        a, b, c, d = self.cost_model.coefficients_s
+        logger.info(
+            "SLO scheduler chunk: itl_target_ms=%g chunk=%d decodes=%d predicted_ms=%.1f limit_ms=%.1f "
+            "fit(a_ms=%.2f b_ms_per_tok=%.4f c_ms_per_dec=%.3f d_ns_per_pair=%.3f) n=%d",
+            target_ms,
+            chunk,
+            plan.decodes,
+            self.cost_model.predict(plan.shape(chunk)) * 1e3,
+            limit_s * 1e3,
+            a * 1e3,
+            b * 1e3,
+            c * 1e3,
+            d * 1e9,
+            self.cost_model.observations,
+        )
+
+
+def refusals(settings: SchedulerSettings, facts: compat.ServerFacts) -> list[str]:
+    """Why the policy cannot serve this server (empty: it can), each with what to change."""
+    problems = []
+    if settings.mode is not Mode.COLOCATED:
+        problems.append(
+            f"mode={settings.mode.value} is not supported on SGLang (only colocated: SGLang's decode servers "
+            "never prefill, and the prefill mode's deadline order is not implemented for SGLang)"
+        )
+    if facts.disaggregation_mode != "null":
+        problems.append(
+            f"--disaggregation-mode {facts.disaggregation_mode}: the colocated policy needs a server that "
+            "prefills and decodes"
+        )
+    if facts.chunk_cap is None:
+        problems.append("chunked prefill is off: set --chunked-prefill-size to a positive number of tokens")
+    if not facts.mixed_chunk:
+        problems.append(
+            "--enable-mixed-chunk is off: without it SGLang runs each prefill chunk as a step of its own and "
+            "the running streams wait for the whole prompt, whatever the chunk size"
+        )
+    return problems
+
+
+# ---- the hooks (SGLang calls them; see compat.hook_scheduler for where) --------------------------------------
+
+
+def init_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``Scheduler.__init__``: attach an ``SLOChunker``. A bad setting or a server the policy cannot
+    serve stops the server at start (``ValueError``, ``RuntimeError`` naming what is wrong): the user asked
+    for the policy, and a server silently running without it would be worse."""
+    settings = load_settings(os.environ, None)
+    facts = compat.server_facts(scheduler)
+    chunker = SLOChunker(settings, facts)
+    if facts.overlap:
+        logger.warning(
+            "SLO scheduler: with the overlap scheduler a step's measured time includes the scheduling of the "
+            "next one (proven with --disable-overlap-schedule only)"
+        )
+    compat.attach(scheduler, chunker)
+    logger.info(
+        "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d chunked_prefill_size=%d",
+        settings.itl_target_ms,
+        settings.headroom,
+        chunker.align,
+        chunker.min_chunk,
+        chunker.engine_cap,
+    )
+
+
+def prefill_hook(original_fn: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around ``get_new_batch_prefill(running_batch)``: SGLang builds the step with our chunk size."""
+    chunker = compat.attached(scheduler)
+    size = None
+    if chunker is not None and chunker.active:
+        try:
+            running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0]
+            size = chunker.chunked_prefill_size(compat.prefill_view(scheduler, running_batch))
+        except Exception as exc:
+            chunker.fail("choosing the prefill chunk", exc)
+    if size is None:
+        return original_fn(scheduler, *args, **kwargs)
+    with compat.chunked_prefill_size(scheduler, size):
+        return original_fn(scheduler, *args, **kwargs)
+
+
+def run_hook(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before ``run_batch(batch)``: the step starts (its shape and start time)."""
+    chunker = compat.attached(scheduler)
+    if chunker is not None and chunker.active:
+        try:
+            chunker.step_started(compat.batch_rows(kwargs["batch"] if "batch" in kwargs else args[0]))
+        except Exception as exc:
+            chunker.fail("reading the step's shape", exc)
+
+
+def result_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``process_batch_result``: the oldest step in flight ended; the cost model learns its time."""
+    chunker = compat.attached(scheduler)
+    if chunker is not None and chunker.active:
+        try:
+            chunker.step_ended()
+        except Exception as exc:
+            chunker.fail("fitting the cost model", exc)
+
+
+def register(env: Mapping[str, str] = os.environ) -> None:
+    """Called by ``pd_connector.sglang.plugin.register`` in each SGLang process; logs and returns on any problem
+    (a plugin that raises would stop SGLang's launcher)."""
+    value = env.get(ENABLE_ENV, "")
+    if not value:
+        return
+    if value != ENABLE_VALUE:
+        logger.error(
+            "%s=%r: unknown value (use %r); the SLO scheduler is off", ENABLE_ENV, value, ENABLE_VALUE
+        )
+        return
+    problem = compat.startup_problem()
+    if problem is not None:
+        logger.error("%s", problem)
+        return
+    compat.hook_scheduler(init_hook, prefill_hook, run_hook, result_hook)

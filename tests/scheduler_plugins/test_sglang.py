@@ -1,0 +1,205 @@
+"""scheduler_plugins.sglang against a fake SGLang scheduler that has the fields and methods the adapter touches
+(``pd_connector.sglang.compat.scheduler`` reads them by the same names on the real one; the integration test in
+integration_tests/test_sglang.py runs it on a real server). Hooks are called as SGLang's ``HookRegistry``
+calls them: AROUND with the original first, BEFORE with the arguments, AFTER with the result first."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pd_connector.sglang.compat import scheduler as compat
+from scheduler_plugins import sglang
+from scheduler_plugins.config import Mode, SchedulerSettings
+from scheduler_plugins.cost_model import CostModel
+
+CAP = 512
+# A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode, attention free.
+LAW = (0.020, 1e-3, 1e-3, 0.0)
+
+
+@dataclass
+class FakeReq:
+    origin_input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    extend_end: int | None = None
+    sampling_params: Any = field(default_factory=lambda: SimpleNamespace(custom_params=None))
+
+
+class FakeMode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_extend(self) -> bool:
+        return self.name in ("extend", "mixed")
+
+    def is_mixed(self) -> bool:
+        return self.name == "mixed"
+
+
+class FakeScheduler:
+    """SGLang's ``Scheduler`` as the adapter sees it; ``get_new_batch_prefill`` records the chunk size it read."""
+
+    def __init__(self, mixed: bool = True, cap: int | None = CAP, mode: str = "null") -> None:
+        self.chunked_prefill_size = cap
+        self.is_mixed_chunk = mixed
+        self.enable_overlap = False
+        self.page_size = 1
+        self.chunked_req: FakeReq | None = None
+        self.waiting_queue: list[FakeReq] = []
+        self.server_args = SimpleNamespace(disaggregation_mode=mode)
+        self.seen: list[int | None] = []
+
+    def get_new_batch_prefill(self, running_batch: Any) -> str:
+        self.seen.append(self.chunked_prefill_size)
+        return "plan"
+
+
+def _running(*lengths: int, params: Any = None) -> Any:
+    return SimpleNamespace(
+        reqs=[FakeReq(list(range(n)), sampling_params=SimpleNamespace(custom_params=params)) for n in lengths]
+    )
+
+
+def _started(monkeypatch: pytest.MonkeyPatch, scheduler: FakeScheduler, **settings: str) -> sglang.SLOChunker:
+    for name, value in settings.items():
+        monkeypatch.setenv(f"PD_SCHED_{name.upper()}", value)
+    sglang.init_hook(None, scheduler)
+    chunker = compat.attached(scheduler)
+    assert isinstance(chunker, sglang.SLOChunker)
+    return chunker
+
+
+def _prefill(scheduler: FakeScheduler, running_batch: Any) -> int | None:
+    assert sglang.prefill_hook(FakeScheduler.get_new_batch_prefill, scheduler, running_batch) == "plan"
+    assert scheduler.chunked_prefill_size == CAP  # the configured size is back after the call
+    return scheduler.seen[-1]
+
+
+def test_the_chunk_follows_the_budget_and_counts_the_riding_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="100")
+    chunker.cost_model = CostModel(LAW)
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    # 3 decodes: 20 + 3 + chunk ms <= 85 ms (headroom 0.85) -> chunk 48 (16-token units); SGLang's
+    # PrefillAdder subtracts the 3 mixed decodes from the size again.
+    assert _prefill(scheduler, _running(10, 10, 10)) == 3 + 48
+    assert chunker.last_chunk == 48
+
+
+def test_no_pending_prefill_leaves_sglang_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = FakeScheduler()
+    _started(monkeypatch, scheduler, itl_target_ms="1")
+    assert _prefill(scheduler, _running(10)) == CAP
+
+
+def test_a_partial_prefill_gets_the_chunk_with_its_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill under way goes first, and its computed tokens make deep chunks cost more."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="100")
+    chunker.cost_model = CostModel((0.020, 1e-3, 1e-3, 1e-6))  # + 1 us per attended pair
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    shallow = _prefill(scheduler, _running())
+    scheduler.chunked_req = FakeReq(list(range(2000)), extend_end=1500)
+    deep = _prefill(scheduler, _running())
+    assert shallow is not None and deep is not None and deep < shallow
+
+
+def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    scheduler = FakeScheduler()
+    _started(monkeypatch, scheduler, itl_target_ms="100000")
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    loose = 1 + (CAP - 1) // 16 * 16  # the decode + the largest 16-token multiple that fits
+    assert _prefill(scheduler, _running(10)) == loose
+    assert _prefill(scheduler, _running(10, params={"itl_target_ms": 1})) == 1 + 16  # the minimum chunk
+    with caplog.at_level(logging.WARNING, logger=sglang.__name__):
+        assert _prefill(scheduler, _running(10, params={"itl_target_ms": "soon"})) == loose
+    assert "itl_target_ms='soon'" in caplog.text
+
+
+def test_steps_are_timed_into_the_cost_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler)
+    mixed = SimpleNamespace(forward_mode=FakeMode("mixed"), extend_lens=[48, 1], prefix_lens=[96, 30])
+    sglang.run_hook(scheduler, mixed)
+    sglang.result_hook(None, scheduler, mixed, "result")
+    sglang.result_hook(None, scheduler, mixed, "result")  # a result with no step in flight is ignored
+    assert chunker.cost_model.observations == 1
+
+
+def test_a_failing_hook_falls_back_to_sglang_in_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="1")
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    with caplog.at_level(logging.ERROR, logger=sglang.__name__):
+        # a running request SGLang's real ones are not like: the adapter fails, SGLang decides
+        assert _prefill(scheduler, SimpleNamespace(reqs=[object()])) == CAP
+        assert _prefill(scheduler, _running(10)) == CAP  # off for good
+        sglang.run_hook(scheduler, object())
+    assert not chunker.active
+    assert len(caplog.records) == 1 and "SGLang's own chunk size (512)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("facts", "named"),
+    [
+        ({"mixed_chunk": False}, "--enable-mixed-chunk is off"),
+        ({"chunk_cap": None}, "--chunked-prefill-size"),
+        ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill"),
+    ],
+)
+def test_a_server_the_policy_cannot_serve_is_refused(facts: dict[str, Any], named: str) -> None:
+    good = compat.ServerFacts(
+        chunk_cap=CAP, mixed_chunk=True, overlap=False, disaggregation_mode="null", page_size=1
+    )
+    assert sglang.refusals(SchedulerSettings(), good) == []
+    with pytest.raises(ValueError, match="cannot run on this SGLang server") as raised:
+        sglang.SLOChunker(SchedulerSettings(), good._replace(**facts))
+    assert named in str(raised.value)
+    assert "mode=prefill is not supported" in sglang.refusals(SchedulerSettings(mode=Mode.PREFILL), good)[0]
+
+
+def test_refusal_happens_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        sglang.init_hook(None, FakeScheduler(mixed=False))
+    monkeypatch.setenv("PD_SCHED_ITL_TARGET_MS", "-5")
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        sglang.init_hook(None, FakeScheduler())
+    with pytest.raises(RuntimeError, match=r"Scheduler\.page_size"):
+        scheduler = FakeScheduler()
+        del scheduler.page_size
+        compat.server_facts(scheduler)
+
+
+def test_batch_rows() -> None:
+    decode = SimpleNamespace(
+        forward_mode=FakeMode("decode"), seq_lens_cpu=SimpleNamespace(tolist=lambda: [5, 9])
+    )
+    assert compat.batch_rows(decode) == [(1, 4), (1, 8)]
+    extend = SimpleNamespace(forward_mode=FakeMode("extend"), extend_lens=[16], prefix_lens=[32])
+    assert compat.batch_rows(extend) == [(16, 32)]
+    assert compat.batch_rows(SimpleNamespace(forward_mode=FakeMode("idle"))) == []
+
+
+def test_register_follows_the_switch(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    registered: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(compat, "hook_scheduler", lambda *hooks: registered.append(hooks))
+    monkeypatch.setattr(compat, "startup_problem", lambda: None)
+    sglang.register({})
+    assert registered == []
+    with caplog.at_level(logging.ERROR, logger=sglang.__name__):
+        sglang.register({sglang.ENABLE_ENV: "fast"})
+    assert registered == [] and "unknown value" in caplog.text
+    sglang.register({sglang.ENABLE_ENV: "slo"})
+    assert registered == [(sglang.init_hook, sglang.prefill_hook, sglang.run_hook, sglang.result_hook)]
+    monkeypatch.setattr(compat, "startup_problem", lambda: "sglang 9.9 is not supported")
+    with caplog.at_level(logging.ERROR, logger=sglang.__name__):
+        sglang.register({sglang.ENABLE_ENV: "slo"})
+    assert len(registered) == 1 and "sglang 9.9" in caplog.text
