@@ -1,6 +1,6 @@
 """Per-iteration token budget and prefill order: the policy, independent of any engine.
 
-The adapter (``scheduler_plugins.vllm``) describes the step it is about to build (how many decodes run and
+The adapter (``scheduler_plugins.vllm``, ``scheduler_plugins.sglang``) describes the step it is about to build (how many decodes run and
 their context, where the next prefill chunk starts), asks ``prefill_chunk`` how many prefill tokens to add,
 and asks ``deadline_order`` in which order to serve waiting prefills on a prefill node.
 
@@ -69,3 +69,13 @@ def deadline_order(items: Iterable[T], deadline: Callable[[T], float]) -> list[T
     bounded time.
     """
     return sorted(items, key=deadline)
+
+
+def explain(model: CostModel, plan: StepPlan, chunk: int, limit_s: float) -> str:
+    """One decision for the server log, in the words both adapters use (integration tests parse the log)."""
+    a, b, c, d = model.coefficients_s
+    return (
+        f"decodes={plan.decodes} predicted_ms={model.predict(plan.shape(chunk)) * 1e3:.1f} "
+        f"limit_ms={limit_s * 1e3:.1f} fit(a_ms={a * 1e3:.2f} b_ms_per_tok={b * 1e3:.4f} "
+        f"c_ms_per_dec={c * 1e3:.3f} d_ns_per_pair={d * 1e9:.3f}) n={model.observations}"
+    )

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_connector.sglang.compat import scheduler as compat
-from scheduler_plugins.budget import StepPlan, prefill_chunk
+from scheduler_plugins.budget import StepPlan, explain, prefill_chunk
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 
@@ -122,20 +122,11 @@ class SLOChunker:
         if target_ms == self._last_target_ms and now - self._last_log < self.slo.log_interval_s:
             return
         self._last_log, self._last_target_ms = now, target_ms
-        a, b, c, d = self.cost_model.coefficients_s
         logger.info(
-            "SLO scheduler chunk: itl_target_ms=%g chunk=%d decodes=%d predicted_ms=%.1f limit_ms=%.1f "
-            "fit(a_ms=%.2f b_ms_per_tok=%.4f c_ms_per_dec=%.3f d_ns_per_pair=%.3f) n=%d",
+            "SLO scheduler chunk: itl_target_ms=%g chunk=%d %s",
             target_ms,
             chunk,
-            plan.decodes,
-            self.cost_model.predict(plan.shape(chunk)) * 1e3,
-            limit_s * 1e3,
-            a * 1e3,
-            b * 1e3,
-            c * 1e3,
-            d * 1e9,
-            self.cost_model.observations,
+            explain(self.cost_model, plan, chunk, limit_s),
         )
 
 

@@ -4,18 +4,12 @@ installed SGLang (run in the SGLang virtualenv, where SGLang is installed)."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pd_connector.sglang import compat, plugin
-from pd_disagg.engines import sglang_python
-from pd_disagg.sglang_cpu import STAND_INS_DIR
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sglang.installed import run_in_sglang
 
 
 def test_missing_symbols_are_named_and_nothing_is_registered(
@@ -67,15 +61,4 @@ print("ok")
 
 
 def test_the_installed_sglang_passes_and_a_removed_symbol_is_named() -> None:
-    python = sglang_python()
-    assert os.path.exists(python), f"no SGLang virtualenv at {python}: run `make sglang-env` (make unit does)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(STAND_INS_DIR), str(ROOT)]))}
-    done = subprocess.run(
-        [python, "-W", "ignore", "-c", CHECK_INSTALLED],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_sglang(CHECK_INSTALLED)

@@ -4,14 +4,7 @@ check passes, names a parameter SGLang dropped, and its hooks wrap SGLang's ``Sc
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
-from pd_disagg.engines import sglang_python
-from pd_disagg.sglang_cpu import STAND_INS_DIR
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sglang.installed import run_in_sglang
 
 CHECK_INSTALLED = """
 import logging
@@ -39,19 +32,4 @@ print("ok")
 
 
 def test_the_installed_sglang_passes_and_the_hooks_wrap_its_scheduler() -> None:
-    python = sglang_python()
-    assert os.path.exists(python), f"no SGLang virtualenv at {python}: run `make sglang-env` (make unit does)"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(STAND_INS_DIR), str(ROOT)])),
-        "PD_SGLANG_SCHEDULER": "slo",
-    }
-    done = subprocess.run(
-        [python, "-W", "ignore", "-c", CHECK_INSTALLED],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_in_sglang(CHECK_INSTALLED, {"PD_SGLANG_SCHEDULER": "slo"})
