@@ -24,12 +24,14 @@ started and stopped here (``benchmarks.chaos_cluster`` says how each is configur
   router restarts, is retried as a client would, within the deadline), ``wrong_tokens`` (a 200, or an answer
   so far, that differs), ``hung`` (no end within ``deadline_s``), ``disconnected`` (dropped on purpose).
 - After a quiet period: every engine's KV usage back to its idle baseline with no request open (a load stuck
-  waiting for KV would show there), and RSS of every process group (growth since the first sample).
+  waiting for KV would show there), pd-router holding nothing (no request waiting, no leg in flight, no
+  prefill tokens leased), and RSS of every process group (growth since the first sample).
 
 Last stdout line, one JSON object: with one phase, ``{"engine", "requests", "ok", "failed_clean",
 "wrong_tokens", "hung", "disconnected", "faults": {kind: n}, "blocks_leaked": {server: KV above baseline
-(vLLM: usage %, SGLang: tokens)}, "open_requests": {server: n}, "rss_growth_mb": {server: MB},
-"recovery_s": {kind: [p50, p99]}, "recovery_bounds": {kind: what to compare it with}, "timeouts_s": {...}}``,
+(vLLM: usage %, SGLang: tokens)}, "open_requests": {server: n}, "router_open": {gauge: n},
+"rss_growth_mb": {server: MB}, "recovery_s": {kind: [p50, p99]}, "recovery_bounds": {kind: what to
+compare it with}, "timeouts_s": {...}}``,
 where a kind's recovery is the time from the fault until the next request that started after it was answered
 right; with several, ``{"phases": {engine: that object}}`` plus the outcome counts summed. A PNG of request
 outcomes over time, with the faults marked, goes to ``--out`` (one per phase).
@@ -125,6 +127,8 @@ class Plan:
     #: Faults of each kind, spread over the load's progress (client_disconnect: streams dropped).
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 5))
     deadline_s: float = 180.0
+    #: How long a client waits after a failed request before its next one (seconds).
+    backoff_s: float = 2.0
     quiet_s: float = 60.0
     dtype: str = "float32"
     out: Path = Path("chaos.png")
@@ -144,7 +148,12 @@ def timeouts(engine: Engine) -> dict[str, float]:
 
 
 class Injector:
-    """Carries out the faults (on worker threads: kills and restarts block) and remembers when each struck."""
+    """Carries out the faults and remembers when each struck.
+
+    Faults overlap: each picks its target among the servers that are up (waiting, if none is, until one is
+    back) and holds it only while it is stopped or restarting, so a P's restart does not hold back a stop
+    of D or a router restart queued after it. Called on the load's event loop; what blocks (kills,
+    restarts, sockets) runs on worker threads."""
 
     def __init__(self, cluster: Cluster, seed: int, t0: float) -> None:
         self.cluster, self.t0 = cluster, t0
@@ -155,51 +164,68 @@ class Injector:
         self.restarts: dict[str, list[float]] = {}
         #: Connector counters of the servers killed, read just before (a restart starts them from zero).
         self.killed_counters: Counter[str] = Counter()
-        self._lock = (
-            asyncio.Lock()
-        )  # one fault at a time: a restart must not overlap a stop of the same group
+        self.busy: set[str] = set()  # servers a fault holds now (stopped, restarting)
+        self._turn = asyncio.Condition()
+
+    def _targets(self, kind: str) -> list[ManagedServer]:
+        c = self.cluster
+        pool = {
+            "kill_prefill": c.prefills,
+            "kill_decode": c.decodes,
+            "garbage": c.prefills,  # into its side channel
+            "proxy_reset": c.prefills,  # of its proxy
+            "router_restart": [c.router],
+        }.get(kind, c.engines)
+        return [s for s in pool if s.name not in self.busy]
 
     async def strike(self, kind: str) -> None:
-        async with self._lock:
-            self.struck.append((time.monotonic() - self.t0, kind))
-            try:
-                restart = await asyncio.to_thread(self._do, kind)
-                if restart is not None:
-                    began = time.monotonic()
-                    # Started from this (the main) thread: a server started from a worker thread gets its
-                    # parent-death signal when that thread exits (PR_SET_PDEATHSIG follows the thread).
-                    restart.start()
-                    await asyncio.to_thread(restart.wait_healthy, 600)
-                    self.restarts.setdefault(kind, []).append(time.monotonic() - began)
-            except Exception as e:  # a fault that could not be carried out is reported, not hidden
-                self.errors.append(f"{kind}: {e!r}")
+        async with self._turn:
+            await self._turn.wait_for(lambda: bool(self._targets(kind)))
+            target = self.rng.choice(self._targets(kind))
+            garbage = self.rng.randbytes(4096)
+            self.busy.add(target.name)
+        self.struck.append((time.monotonic() - self.t0, kind))
+        try:
+            await self._hit(kind, target, garbage)
+        except Exception as e:  # a fault that could not be carried out is reported, not hidden
+            self.errors.append(f"{kind}: {e!r}")
+        finally:
+            async with self._turn:
+                self.busy.discard(target.name)
+                self._turn.notify_all()
 
-    def _do(self, kind: str) -> ManagedServer | None:
-        """Carry out ``kind``; the server to start again, if it stopped one."""
+    async def _hit(self, kind: str, target: ManagedServer, garbage: bytes) -> None:
         c = self.cluster
-        if kind in ("kill_prefill", "kill_decode"):
-            server = self.rng.choice(c.prefills if kind == "kill_prefill" else c.decodes)
-            self.killed_counters.update(connector_counters(c, [server]))
-            server.kill(signal.SIGKILL)
-            server.stop(grace_s=0.1)
-            return server
         if kind in STOPS:
-            server = self.rng.choice(c.engines)
-            server.kill(signal.SIGSTOP)
-            time.sleep(STOPS[kind])  # the fault itself: how long the engine stays stopped
-            server.kill(signal.SIGCONT)
+            target.kill(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(STOPS[kind])  # the fault itself: how long the engine stays stopped
+            finally:
+                target.kill(signal.SIGCONT)
         elif kind == "garbage":
-            port = c.transfer_port(self.rng.randrange(len(c.prefills)))
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-                sock.sendall(self.rng.randbytes(4096))
+            port = await asyncio.to_thread(c.transfer_port, c.prefills.index(target))
+            await asyncio.to_thread(_send, port, garbage)
         elif kind == "proxy_reset" and c.proxies:
-            self.rng.choice(c.proxies).reset_connections()
-        elif kind == "router_restart":
-            c.router.stop(grace_s=1)
-            return c.router
+            await asyncio.to_thread(c.proxies[c.prefills.index(target)].reset_connections)
+        elif kind in ("kill_prefill", "kill_decode", "router_restart"):
+            if kind != "router_restart":
+                self.killed_counters.update(await asyncio.to_thread(connector_counters, c, [target]))
+                target.kill(signal.SIGKILL)
+            await asyncio.to_thread(target.stop, 1.0 if kind == "router_restart" else 0.1)
+            began = time.monotonic()
+            # Started from this (the main) thread: a server started from a worker thread gets its
+            # parent-death signal when that thread exits (PR_SET_PDEATHSIG follows the thread).
+            target.start()
+            await asyncio.to_thread(target.wait_healthy, 600)
+            self.restarts.setdefault(kind, []).append(time.monotonic() - began)
         else:
             raise ValueError(f"fault {kind!r} does not apply to the {c.engine} phase")
-        return None
+
+
+def _send(port: int, data: bytes) -> None:
+    """A peer that dials a loopback port, sends ``data`` and leaves."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
 
 
 def plot(records: list[Record], struck: list[tuple[float, str]], path: Path) -> None:
@@ -260,12 +286,13 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
                 faults=plan.faults,
                 max_tokens=plan.max_tokens,
                 deadline_s=plan.deadline_s,
+                backoff_s=plan.backoff_s,
                 seed=plan.seed,
                 strike=injector.strike,
                 t0=t0,
             )
         )
-        state = settle(cluster, baseline, plan.quiet_s)
+        state, router_open = settle(cluster, baseline, plan.quiet_s)
         rss_after = {s.name: rss_mb(s) for s in cluster.servers()}
         moved = {k: v + injector.killed_counters[k] for k, v in connector_counters(cluster).items()}
         plot(records, injector.struck, plan.out)
@@ -291,6 +318,7 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
             n: round(u - baseline[n], 4) if math.isfinite(u) else None for n, (u, _) in state.items()
         },
         "open_requests": {n: o if math.isfinite(o) else None for n, (_, o) in state.items()},
+        "router_open": {k: v if math.isfinite(v) else None for k, v in router_open.items()},
         "rss_growth_mb": {n: round(rss_after[n] - rss_before[n], 1) for n in rss_before},
         "recovery_s": recovery(records, injector.struck),
         "recovery_bounds": {
@@ -328,6 +356,9 @@ def main() -> None:
     parser.add_argument("--faults-per-kind", type=int, default=5)
     parser.add_argument("--sglang-faults-per-kind", type=int, help="default: --faults-per-kind")
     parser.add_argument("--seed", type=int, default=default.seed)
+    parser.add_argument(
+        "--backoff-s", type=float, default=default.backoff_s, help="a client's wait after a failure"
+    )
     parser.add_argument("--quiet-s", type=float, default=default.quiet_s)
     parser.add_argument(
         "--out", type=Path, default=default.out, help="the vLLM phase's plot (SGLang: NAME-sglang)"
@@ -353,6 +384,7 @@ def main() -> None:
                 PHASE_FAULTS[engine], args.faults_per_kind if per_kind is None else per_kind
             ),
             seed=args.seed,
+            backoff_s=args.backoff_s,
             quiet_s=args.quiet_s,
             out=args.out.with_stem(f"{args.out.stem}-sglang") if sglang else args.out,
         )

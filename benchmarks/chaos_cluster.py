@@ -288,13 +288,28 @@ def connector_counters(cluster: Cluster, engines: list[ManagedServer] | None = N
     return totals
 
 
-def settle(cluster: Cluster, baseline: dict[str, float], quiet_s: float) -> dict[str, tuple[float, float]]:
-    """After the load: poll every engine until it is back to its baseline with nothing open, at most
-    ``quiet_s``; the last reading of each."""
+def router_state(server: ManagedServer) -> dict[str, float]:
+    """What pd-router still holds: requests waiting for a slot, upstream legs in flight and prefill tokens
+    leased, each summed over its workers (inf while it does not answer)."""
+    names = ("waiting", "worker_in_flight", "worker_outstanding_prefill_tokens")
+    try:
+        return {n: metric(base_url(server), f"pd_router_{n}") for n in names}
+    except OSError as e:
+        print(f"chaos: {server.name} does not answer: {e!r}", file=sys.stderr)
+        return dict.fromkeys(names, math.inf)
+
+
+def settle(
+    cluster: Cluster, baseline: dict[str, float], quiet_s: float
+) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """After the load: poll every engine and the router until each engine is back to its baseline with
+    nothing open and the router holds nothing, at most ``quiet_s``; the last reading of each engine, and the
+    router's."""
     deadline = time.monotonic() + quiet_s
     while True:
         state = {s.name: engine_state(s, cluster.engine) for s in cluster.engines}
+        router = router_state(cluster.router)
         settled = all(u <= baseline[n] + 1e-9 and o == 0 for n, (u, o) in state.items())
-        if settled or time.monotonic() > deadline:
-            return state
+        if (settled and not any(router.values())) or time.monotonic() > deadline:
+            return state, router
         time.sleep(0.5)  # polling a remote server's /metrics, not a synchronisation

@@ -237,12 +237,16 @@ async def load(
     faults: dict[str, int],
     max_tokens: int,
     deadline_s: float,
+    backoff_s: float,
     seed: int,
     strike: Callable[[str], Coroutine[Any, Any, None]],
     t0: float,
 ) -> list[Record]:
     """``requests`` requests at up to ``concurrency`` at once, each of a seeded prompt and mode, with
     ``strike(kind)`` started at each point of the fault timeline; returns when every request and fault ended.
+    A request that failed holds its slot ``backoff_s`` longer, as a client that backs off after an error:
+    with one P/D pair every request fails while either restarts, and without it the failures would use up
+    the requests within that minute, leaving none to measure the recovery by.
     Records' times are seconds since ``t0`` (the injector's clock too)."""
     rng = random.Random(f"{seed}:load")
     drops = set(rng.sample(range(requests), min(faults.get("client_disconnect", 0), requests)))
@@ -258,9 +262,12 @@ async def load(
             k = rng.randrange(len(items))
             mode = "drop" if i in drops else rng.choice(("plain", "stream"))
             try:
-                records.append(
-                    await one_request(session, url, items[k], answers[k], max_tokens, deadline_s, mode, t0)
+                record = await one_request(
+                    session, url, items[k], answers[k], max_tokens, deadline_s, mode, t0
                 )
+                records.append(record)
+                if record.outcome == "failed_clean":
+                    await asyncio.sleep(backoff_s)  # the client waits before its next request
             finally:
                 limit.release()
                 progress(records)

@@ -1,13 +1,14 @@
 """The short chaos run in CI: ``benchmarks.chaos`` on one P and one D vLLM server behind pd-router, 120
-requests (completions and chats, streamed and not) with faults overlapping the load, and everything accounted for afterwards (sized to keep CI's test
-phase near its 30-minute budget; the long run is ``python -m benchmarks.chaos``).
+requests (completions and chats, streamed and not) with faults overlapping the load, and everything
+accounted for afterwards (sized to keep CI's test phase near its 30-minute budget; the long run is
+``python -m benchmarks.chaos``).
 
 Faults: a P killed and restarted, an engine stopped shorter than its heartbeat timeout and one stopped longer
 than its lease, garbage into P's side channel, resets of the P<->D control connections (through the fault
 proxy, whose new connections get seeded delays and stalls), client disconnects mid-stream, a router restart.
 The run must end with no 200 carrying wrong tokens, no request past its deadline, every engine back to its
-idle KV usage with nothing running or waiting, and KV moved through the connector with integrity mode on
-(bytes sent, loads completed, no integrity failure).
+idle KV usage with nothing running or waiting, the router holding nothing, and KV moved through the
+connector with integrity mode on (bytes sent, loads completed, no integrity failure).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def test_short_chaos_run_loses_no_token_hangs_nothing_and_leaks_no_block(
     assert result["disconnected"] >= 1, summary
     assert all(v is not None and v <= 0 for v in result["blocks_leaked"].values()), result["blocks_leaked"]
     assert all(v == 0 for v in result["open_requests"].values()), result["open_requests"]
+    assert all(v == 0 for v in result["router_open"].values()), result["router_open"]
     # The load went through P->D for the most part, with integrity mode checking every load.
     assert result["ok"] >= plan.requests // 2, summary
     # Completions and chats, streamed and not, each answered right (token ids against the known answer).

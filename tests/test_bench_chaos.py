@@ -5,7 +5,10 @@ fault timeline, SGLang's load reading and the recovery figures."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from benchmarks.chaos import FAULT_KINDS, PHASE_FAULTS, Plan, run
-from benchmarks.chaos_cluster import _loads
-from benchmarks.chaos_load import Answer, Prompt, Record, one_request, prompts, recovery, timeline
+from benchmarks.chaos import FAULT_KINDS, PHASE_FAULTS, Injector, Plan, run
+from benchmarks.chaos_cluster import Cluster, _loads
+from benchmarks.chaos_load import Answer, Prompt, Record, load, one_request, prompts, recovery, timeline
 
 pytestmark = pytest.mark.unit
 
@@ -164,3 +167,79 @@ def test_recovery_is_the_first_right_answer_started_after_the_fault() -> None:
     ]
     assert recovery(records, [(1.5, "kill_prefill")]) == {"kill_prefill": [2.5, 2.5]}
     assert recovery(records, [(5.0, "garbage")]) == {"garbage": None}  # no request started after it
+
+
+class _Server:
+    """Stands in for a ManagedServer toward the injector: records what was done to it, and when."""
+
+    def __init__(self, name: str, restart_s: float = 0.0) -> None:
+        self.name, self.restart_s = name, restart_s
+        self.health_url = "http://127.0.0.1:9/health"  # nothing listens: its counters read as absent
+        self.events: list[tuple[str, float]] = []
+
+    def _note(self, what: str) -> None:
+        self.events.append((what, time.monotonic()))
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self._note(signal.Signals(sig).name)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self._note("stop")
+
+    def start(self) -> None:
+        self._note("start")
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        time.sleep(self.restart_s)  # a restart that takes a while
+        self._note("healthy")
+
+    def at(self, what: str, n: int = 0) -> float:
+        return [t for w, t in self.events if w == what][n]
+
+
+async def test_faults_overlap_but_never_strike_a_server_that_is_down() -> None:
+    """A P restarting does not hold back a stop (it strikes D meanwhile); a second P kill waits until P is back."""
+    p, d, router = _Server("p", restart_s=0.5), _Server("d"), _Server("router")
+    cluster = Cluster("vllm", [p], [d], router, [9])  # type: ignore[list-item, arg-type]
+    injector = Injector(cluster, seed=0, t0=time.monotonic())
+    first = asyncio.create_task(injector.strike("kill_prefill"))
+    await asyncio.sleep(0.1)  # let the first kill take P (a test's ordering, not a wait for a result)
+    await asyncio.gather(first, injector.strike("stop_short"), injector.strike("kill_prefill"))
+    assert not injector.errors, injector.errors
+    assert [w for w, _ in d.events] == ["SIGSTOP", "SIGCONT"]  # P was down: the stop took D
+    assert d.at("SIGSTOP") < p.at("healthy")  # while P restarted
+    assert p.at("SIGKILL", 1) >= p.at("healthy", 0)  # the second kill waited for P to be back
+    assert len(injector.restarts["kill_prefill"]) == 2 and not injector.busy
+    assert [kind for _, kind in injector.struck] == ["kill_prefill", "stop_short", "kill_prefill"]
+
+
+async def test_a_failed_request_holds_its_slot_for_the_backoff() -> None:
+    """The load's client backs off after an error: four failures on one slot take at least 3 back-offs."""
+    srv = TestServer(_server(text=WANT, status=503))
+    await srv.start_server()
+    url = str(srv.make_url("")).rstrip("/")
+    answers = [Answer(tuple(WANT), _text(WANT))]
+
+    async def nothing(kind: str) -> None:
+        raise AssertionError(f"no fault was planned, {kind} struck")
+
+    try:
+        began = time.monotonic()
+        records = await load(
+            url,
+            [COMPLETION],
+            answers,
+            requests=4,
+            concurrency=1,
+            faults={},
+            max_tokens=4,
+            deadline_s=2.0,
+            backoff_s=0.3,
+            seed=0,
+            strike=nothing,
+            t0=began,
+        )
+    finally:
+        await srv.close()
+    assert [r.outcome for r in records] == ["failed_clean"] * 4
+    assert all(b.start >= a.end + 0.3 for a, b in itertools.pairwise(records))
