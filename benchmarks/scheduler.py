@@ -1,6 +1,11 @@
-"""Head-of-line blocking benchmark: vLLM's default vs the best static chunk budget vs ``SLOScheduler``.
+"""Head-of-line blocking benchmark: the engine's default vs the best static chunk budget vs our SLO scheduler.
 
-One colocated vLLM CPU server at a time (bench model), the same seeded workload for every configuration:
+``--engine vllm`` (default): vLLM's scheduler, static ``--max-num-batched-tokens``, ``SLOScheduler``.
+``--engine sglang``: SGLang as shipped (its default ``--chunked-prefill-size``, prefill and decode steps
+alternating), static ``--chunked-prefill-size`` with ``--enable-mixed-chunk`` (decodes ride along with each
+chunk; the size counts them, like vLLM's budget), and ``PD_SGLANG_SCHEDULER=slo`` with ``--enable-mixed-chunk``.
+
+One colocated CPU server at a time (bench model), the same seeded workload for every configuration:
 ``--decodes`` streaming requests kept running all the time (a finished one is replaced at once), plus long
 prompts (``--long-tokens`` random token ids each, distinct so the prefix cache never helps) arriving as a
 Poisson process. The client records the arrival time of every streamed token.
@@ -12,7 +17,7 @@ Reported per configuration (all from the measurement window, after a warm-up lon
 - ``itl_p99``: p99 of all gaps; ``ttft_long_p50``: median TTFT of the long prompts;
 - ``throughput``: generated tokens per second (decode streams and long prompts).
 
-``static_best``: the largest static ``--max-num-batched-tokens`` that holds the target (window p99 and p99 <=
+``static_best``: the largest static per-step budget that holds the target (window p99 and p99 <=
 the target), searched in steps of 16 tokens from an estimate derived from the default run (decode step time
 and per-token prefill cost); among the budgets run, the holding one with the lowest long-prompt TTFT is
 reported (the smallest one run if none holds it).
@@ -39,9 +44,9 @@ import aiohttp
 import numpy as np
 
 from integration_tests.pd_checks import token_stream_body
-from pd_disagg.engines import base_url, vllm_server
+from pd_disagg.engines import base_url, sglang_server, vllm_server
 from pd_disagg.servers import running
-from pd_disagg.tiny_model import bench_model
+from pd_disagg.tiny_model import PRESETS, bench_model, build
 
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_TIMEOUT_S = 300.0
@@ -92,6 +97,7 @@ class Workload:
     long_rate_per_s: float
     duration_s: float
     seed: int
+    max_token_id: int  # prompts are random ids in [100, max_token_id): inside the model's vocabulary
 
     def long_schedule(self) -> list[tuple[float, list[int]]]:
         """Seeded Poisson arrival offsets (s) and distinct random prompts; identical for every config."""
@@ -101,7 +107,7 @@ class Workload:
             t += float(rng.exponential(1.0 / self.long_rate_per_s))
             if t > self.duration_s:
                 return out
-            out.append((t, rng.integers(100, 4000, self.long_tokens).tolist()))
+            out.append((t, rng.integers(100, self.max_token_id, self.long_tokens).tolist()))
 
 
 async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, float]:
@@ -111,7 +117,7 @@ async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, f
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
         def prompt(n: int) -> list[int]:
-            return rng.integers(100, 4000, n).tolist()
+            return rng.integers(100, work.max_token_id, n).tolist()
 
         # Warm-up: one long prompt with decodes running (first-use costs, and the cost model's first fit).
         warm = [
@@ -179,18 +185,53 @@ def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]
     }
 
 
+@dataclass(frozen=True)
+class Engine:
+    """How one engine is run for each configuration: server flags and environment, default model and prompt."""
+
+    static_args: Callable[[int], list[str]]  # a static per-step token budget
+    ours_args: list[str]
+    ours_env: dict[str, str]
+    model: Callable[[], Path]
+    long_tokens: int
+
+
+ENGINES = {
+    "vllm": Engine(
+        static_args=lambda budget: ["--max-num-batched-tokens", str(budget)],
+        ours_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
+        ours_env={},
+        model=bench_model,
+        long_tokens=2000,
+    ),
+    # The tiny model: SGLang's CPU path (torch_native attention) prefills the bench model at ~46 tokens/s on
+    # one core (a 2000-token prompt: 43 s; vLLM: 2.2 s), too slow for a 100 ms ITL target to mean anything.
+    "sglang": Engine(
+        static_args=lambda budget: ["--chunked-prefill-size", str(budget), "--enable-mixed-chunk"],
+        ours_args=["--enable-mixed-chunk"],
+        ours_env={"PD_SGLANG_SCHEDULER": "slo"},
+        model=lambda: build(ROOT / ".cache" / "models" / "tiny-llama", PRESETS["tiny"]),
+        long_tokens=1500,
+    ),
+}
+
+
 def run_config(
     name: str, args: argparse.Namespace, work: Workload, extra: list[str], env: dict[str, str]
 ) -> dict:
-    server = vllm_server(
-        args.model,
-        log_dir=ROOT / "logs" / "bench",
-        name=f"sched-{name}",
-        cpu_core=args.cores,
-        max_model_len=args.long_tokens + 256,
-        extra_args=extra,
-        env=env,
-    )
+    common: dict[str, Any] = {
+        "log_dir": ROOT / "logs" / "bench",
+        "name": f"sched-{args.engine}-{name}",
+        "cpu_core": args.cores,
+        "extra_args": extra,
+        "env": env,
+    }
+    if args.engine == "sglang":
+        tokens = args.long_tokens + 256
+        # KV room for the decode streams and a few long prompts at once
+        server = sglang_server(args.model, context_length=tokens, max_total_tokens=4 * tokens, **common)
+    else:
+        server = vllm_server(args.model, max_model_len=args.long_tokens + 256, **common)
     log(f"{name}: starting server {' '.join(extra)}")
     with running(server, timeout_s=600):
         streams, start, end = asyncio.run(run_workload(base_url(server), work))
@@ -267,14 +308,18 @@ def plot(results: dict[str, dict], target_ms: float, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", help="model directory (default: PD_BENCH_MODEL or the bench preset, built once)"
+        "--model",
+        help="model directory (default: vLLM PD_BENCH_MODEL or the bench preset, SGLang the tiny preset)",
     )
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
     parser.add_argument("--target-ms", type=float, default=100.0)
     parser.add_argument("--decodes", type=int, default=4)
-    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument(
+        "--long-tokens", type=int, help="long prompt length (default: vLLM 2000, SGLang 1500)"
+    )
     parser.add_argument("--long-rate", type=float, default=1 / 8, help="long prompts per second (Poisson)")
     parser.add_argument("--duration", type=float, default=45.0, help="measurement window per config (s)")
-    parser.add_argument("--cores", default="1", help="VLLM_CPU_OMP_THREADS_BIND for the server")
+    parser.add_argument("--cores", default="1", help="CPU cores of the server's OpenMP threads (0-1, 1, ...)")
     parser.add_argument(
         "--static", type=int, nargs="*", help="static budgets to try (default: searched, see --static-tries)"
     )
@@ -292,9 +337,16 @@ def main(argv: list[str] | None = None) -> None:
         help="extra scheduler_plugins setting for ours, e.g. chunk_align_tokens=16 (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "scheduler_gaps.png")
+    parser.add_argument(
+        "--plot", type=Path, help="gap plot (default: docs/scheduler_gaps.png, _sglang.png for SGLang)"
+    )
     args = parser.parse_args(argv)
-    args.model = args.model or str(bench_model())
+    engine = ENGINES[args.engine]
+    args.model = args.model or str(engine.model())
+    args.long_tokens = args.long_tokens or engine.long_tokens
+    vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    suffix = "" if args.engine == "vllm" else f"_{args.engine}"
+    args.plot = args.plot or ROOT / "docs" / f"scheduler_gaps{suffix}.png"
     # SIGTERM (e.g. `timeout`) must unwind through `running()` so the server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Workload(
@@ -306,11 +358,12 @@ def main(argv: list[str] | None = None) -> None:
         long_rate_per_s=args.long_rate,
         duration_s=args.duration,
         seed=args.seed,
+        max_token_id=min(4000, vocab),
     )
     results = {"default": run_config("default", args, work, [], {})}
 
     def run_static(budget: int) -> dict:
-        return run_config(f"static-{budget}", args, work, ["--max-num-batched-tokens", str(budget)], {})
+        return run_config(f"static-{budget}", args, work, engine.static_args(budget), {})
 
     if args.static:
         statics = {b: run_static(b) for b in args.static}
@@ -325,8 +378,9 @@ def main(argv: list[str] | None = None) -> None:
         "ours",
         args,
         work,
-        ["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
+        engine.ours_args,
         {
+            **engine.ours_env,
             "PD_SCHED_ITL_TARGET_MS": f"{args.target_ms:g}",
             **{
                 f"PD_SCHED_{name.upper()}": value
@@ -344,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         args.plot,
     )
     keys = ("itl_max_ms", "itl_window_p99_ms", "itl_p99_ms", "ttft_long_p50_ms", "throughput_tok_s")
-    summary: dict[str, object] = {"itl_target_ms": args.target_ms}
+    summary: dict[str, object] = {"engine": args.engine, "itl_target_ms": args.target_ms}
     for key in keys:
         summary[key] = {name: round(float(res[key]), 1) for name, res in results.items()}
     summary["static_best_tokens"] = best

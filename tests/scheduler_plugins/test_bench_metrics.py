@@ -33,7 +33,7 @@ def test_holds_target_needs_both_percentiles() -> None:
 
 
 def test_long_schedule_is_seeded_poisson_with_distinct_prompts() -> None:
-    work = Workload("m", 4, 32, 256, 100, long_rate_per_s=0.5, duration_s=200.0, seed=3)
+    work = Workload("m", 4, 32, 256, 100, long_rate_per_s=0.5, duration_s=200.0, seed=3, max_token_id=4000)
     first, second = work.long_schedule(), work.long_schedule()
     assert [t for t, _ in first] == [t for t, _ in second]
     times = np.array([t for t, _ in first])
