@@ -360,6 +360,7 @@ def main() -> None:
         "--backoff-s", type=float, default=default.backoff_s, help="a client's wait after a failure"
     )
     parser.add_argument("--quiet-s", type=float, default=default.quiet_s)
+    parser.add_argument("--log-dir", type=Path, help="keep the servers' logs here (default: removed)")
     parser.add_argument(
         "--out", type=Path, default=default.out, help="the vLLM phase's plot (SGLang: NAME-sglang)"
     )
@@ -388,8 +389,12 @@ def main() -> None:
             quiet_s=args.quiet_s,
             out=args.out.with_stem(f"{args.out.stem}-sglang") if sglang else args.out,
         )
-        with tempfile.TemporaryDirectory(prefix=f"pd-chaos-{engine}-") as tmp:
-            results[engine] = run(plan, Path(tmp))
+        if args.log_dir is not None:
+            (args.log_dir / engine).mkdir(parents=True, exist_ok=True)
+            results[engine] = run(plan, args.log_dir / engine)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f"pd-chaos-{engine}-") as tmp:
+                results[engine] = run(plan, Path(tmp))
         print(json.dumps(results[engine]), flush=True)  # each phase's figures as soon as it ends
     if len(results) > 1:
         totals = {k: sum(r[k] for r in results.values()) for k in ("requests", *OUTCOMES)}
