@@ -9,13 +9,15 @@ the prompt's KV moved with no failure, and returns P's per-layer pushes for it (
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from integration_tests.pd_checks import metric
-from integration_tests.sglang_client import Reply, generate_pd, get_json
+from integration_tests.sglang_client import Reply, generate_pd, get_json, post
 from pd_disagg.engines import base_url
 from pd_disagg.servers import ManagedServer
 from pd_disagg.tiny_model import PRESETS
@@ -24,6 +26,9 @@ from tests.polling import wait_until
 # ~150 tokens: with --chunked-prefill-size 48, P prefills (and sends) it in several chunks.
 LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in range(1, 16))
 CHUNK_TOKENS = 48
+# The SLO scheduler's prompt: prefilled once in 16-token chunks (aggregated) and once by the stock P/D pair.
+SLO_PROMPT = "".join(f"total_{i} = merge(total_{i - 1}, {i * 7})\n" for i in range(1, 16))
+SLO_MIN_CHUNK = 16  # scheduler_plugins' minimum chunk (one 16-token alignment unit) on SGLang's 1-token pages
 NUM_LAYERS = PRESETS["tiny"].num_layers
 MAX_NEW_TOKENS = 12
 #: KV bytes of one token of the tiny model in bfloat16 (SGLang's pages here are one token each).
@@ -130,3 +135,70 @@ def fresh_pushes(tokens: int) -> dict[tuple[str, int], float]:
 
 #: ... and for a prompt it has cached: the prefix before the forward, the last token's page after it.
 CACHED_PUSHES = per_layer(forward=0, computed=1, chunk=1)
+
+
+def decode_transfer_queue(decode: ManagedServer) -> int:
+    """Requests in D's transfer queue (``decode_transfer_queue_reqs`` of SGLang's /v1/loads): D moves a
+    request there once it has bootstrapped with P and sent P the destinations of its KV."""
+    found: list[int] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key.endswith("decode_transfer_queue_reqs") and isinstance(value, int):
+                    found.append(value)
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    loads = get_json(base_url(decode) + "/v1/loads")
+    walk(loads)
+    assert found, f"SGLang's /v1/loads has no decode_transfer_queue_reqs: {loads}"
+    return sum(found)
+
+
+@dataclass(frozen=True)
+class Aggregated:
+    """What the aggregated (SLO-scheduled) server answered: the reference replies, and its reply to
+    ``SLO_PROMPT`` under a 1 ms ITL target with the server log before and during that request."""
+
+    replies: dict[str, Reply]
+    slo_reply: Reply
+    reference_log: str
+    slo_log: str
+
+
+def assert_slo_chunks(aggregated: Aggregated, loose_target_ms: float) -> None:
+    """From the SLO-scheduled server's log: before the tight request, every decision at the server's loose
+    target was SGLang's own chunk size; during it, every decision was the minimum chunk at the request's 1 ms
+    target, and SGLang ran the prompt in exactly such chunks (SGLang's own "Prefill batch" lines: new tokens
+    per step, and the cached prefix of the first)."""
+    assert aggregated.slo_reply.ok, aggregated.slo_reply
+    prompt_tokens = int(aggregated.slo_reply.body["meta_info"]["prompt_tokens"])
+    reference_log, slo_log = aggregated.reference_log, aggregated.slo_log
+    decision = r"SLO scheduler chunk: itl_target_ms=(\S+) chunk=(\d+)"
+    loose = set(re.findall(decision, reference_log))
+    assert loose == {(f"{loose_target_ms:g}", str(CHUNK_TOKENS))}, loose
+    assert set(re.findall(decision, slo_log)) == {("1", str(SLO_MIN_CHUNK))}
+    batches = re.findall(r"Prefill batch, #new-seq: 1, #new-token: (\d+), #cached-token: (\d+)", slo_log)
+    chunks = [int(new) for new, _ in batches]
+    assert prompt_tokens > 3 * SLO_MIN_CHUNK, prompt_tokens
+    assert chunks[:-1] == [SLO_MIN_CHUNK] * (len(chunks) - 1) and 0 < chunks[-1] <= SLO_MIN_CHUNK, chunks
+    assert sum(chunks) + int(batches[0][1]) == prompt_tokens, (batches, prompt_tokens)
+
+
+def answer_with_target(
+    server: ManagedServer, prompt: str, max_new_tokens: int, itl_target_ms: float
+) -> tuple[Reply, str, str]:
+    """Greedy ``/generate`` with the request's own ITL target (``custom_params``, read by
+    scheduler_plugins.sglang); returns the reply and the server log before and during the request."""
+    logged = len(server.log_path.read_bytes())
+    sampling = {
+        "temperature": 0,
+        "max_new_tokens": max_new_tokens,
+        "custom_params": {"itl_target_ms": itl_target_ms},
+    }
+    reply = post(base_url(server) + "/generate", {"text": prompt, "sampling_params": sampling}, timeout_s=120)
+    log = server.log_path.read_bytes()
+    return reply, log[:logged].decode(errors="replace"), log[logged:].decode(errors="replace")

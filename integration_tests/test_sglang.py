@@ -31,9 +31,14 @@ from integration_tests.sglang_checks import (
     LONG_PROMPT,
     MAX_NEW_TOKENS,
     NUM_LAYERS,
+    SLO_PROMPT,
+    Aggregated,
+    answer_with_target,
     assert_drained,
+    assert_slo_chunks,
     bootstrap,
     check_transferred,
+    decode_transfer_queue,
     fresh_pushes,
 )
 from integration_tests.sglang_client import (
@@ -56,6 +61,7 @@ PROMPTS = [
 ]
 # Another several-chunk prompt, sent to P only by the layer-wise test: its first request finds no cached prefix.
 LAYER_PROMPT = "".join(f"item_{i} = table[{i}] + offset({i * 3})\n" for i in range(1, 16))
+LOOSE_TARGET_MS = 100000  # the aggregated server's ITL target: no chunk smaller than SGLang's own
 CHUNK = ("--chunked-prefill-size", str(CHUNK_TOKENS))
 METRICS = ("--enable-metrics",)
 WRONG_KV_ROOM = 4242424242
@@ -74,16 +80,36 @@ COMMON_ENV = {
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, log_dir: Path) -> dict[str, Reply]:
-    """Greedy answers of an aggregated SGLang server (stopped before the P/D pair starts)."""
-    server = sglang_server(tiny_model, log_dir=log_dir, name="sglang-agg", extra_args=CHUNK)
+def aggregated(tiny_model: Path, log_dir: Path) -> Aggregated:
+    """An aggregated SGLang server (stopped before the P/D pair starts) running scheduler_plugins' SLO
+    scheduler with a target so loose that every chunk is SGLang's own (``CHUNK_TOKENS``): the reference
+    answers are stock SGLang's (the P/D tests compare stock P/D servers with them). Last, one request brings
+    its own 1 ms target, so the scheduler cuts its prefill into minimum (16-token) chunks."""
+    server = sglang_server(
+        tiny_model,
+        log_dir=log_dir,
+        name="sglang-agg",
+        extra_args=(*CHUNK, "--enable-mixed-chunk"),
+        env={
+            "PD_SGLANG_SCHEDULER": "slo",
+            "PD_SCHED_ITL_TARGET_MS": str(LOOSE_TARGET_MS),
+            "PD_SCHED_LOG_INTERVAL_S": "0",
+        },
+    )
     with running(server, timeout_s=420):
         replies = {
             p: generate(base_url(server), p, MAX_NEW_TOKENS) for p in [*PROMPTS, LONG_PROMPT, LAYER_PROMPT]
         }
+        slo_reply, before, during = answer_with_target(server, SLO_PROMPT, MAX_NEW_TOKENS, itl_target_ms=1)
     for prompt, reply in replies.items():
         assert reply.ok and len(reply.output_ids) == MAX_NEW_TOKENS, (prompt, reply)
-    return replies
+    return Aggregated(replies, slo_reply, before, during)
+
+
+@pytest.fixture(scope="module")
+def reference(aggregated: Aggregated) -> dict[str, Reply]:
+    """Greedy answers of the aggregated server (SGLang's own chunk sizes)."""
+    return aggregated.replies
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +163,21 @@ def test_disaggregated_output_equals_aggregated(pd_pair, reference):
         assert d.output_ids == reference[prompt].output_ids, (prompt, d.body, reference[prompt].body)
         assert d.body["text"] == reference[prompt].body["text"]
     assert "(recv) done" in decode.log_path.read_text(errors="replace")
+    assert_drained(prefill)
+    assert_drained(decode)
+
+
+def test_slo_scheduler_sizes_sglang_chunks_and_keeps_greedy_tokens(pd_pair, aggregated):
+    """scheduler_plugins.sglang on the aggregated server (hooked through SGLang's HookRegistry): at the loose
+    server target it chose SGLang's own chunk size; for the request with a 1 ms target it chose the minimum
+    16-token chunk at every step, and SGLang ran exactly those chunks (its own "Prefill batch" log lines).
+    The answer equals the stock P/D pair's (no scheduler plugin) for the same prompt."""
+    prefill, decode, port = pd_pair
+    slo = aggregated.slo_reply
+    assert_slo_chunks(aggregated, LOOSE_TARGET_MS)
+    p, d = generate_pd(base_url(prefill), base_url(decode), bootstrap(port), SLO_PROMPT, MAX_NEW_TOKENS)
+    assert p.ok and d.ok, (p, d)
+    assert len(d.output_ids) == MAX_NEW_TOKENS and slo.output_ids == d.output_ids, (slo.body, d.body)
     assert_drained(prefill)
     assert_drained(decode)
 
@@ -312,7 +353,8 @@ def test_prefill_death_fails_decode_within_heartbeat_timeout(pd_pair):
         d = pool.submit(
             post, base_url(decode) + "/generate", body(PROMPTS[1], 4, bootstrap(port), new_room()), 120
         )
-        time.sleep(3)  # D bootstrapped and sent its destinations
+        # D bootstrapped with P and sent its destinations: the request is in D's transfer queue.
+        wait_until(lambda: decode_transfer_queue(decode) == 1, 30, "the request in D's transfer queue")
         killed_at = time.monotonic()
         prefill.kill()
         reply = d.result()
