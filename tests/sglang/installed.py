@@ -1,5 +1,5 @@
 """Run a check script in the SGLang virtualenv (the main one has no SGLang): the unit tests that need the
-installed SGLang's real classes (``test_compat.py``, ``test_scheduler_compat.py``) call ``run_in_sglang``."""
+installed SGLang's real classes (``test_compat.py``, with ``scheduler_check.py``) call ``run_in_sglang``."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 
 from pd_connector.sglang import compat, plugin
 from tests.sglang.installed import run_in_sglang
+from tests.sglang.scheduler_check import SLO_SCHEDULER_CHECK
 
 
 def test_missing_symbols_are_named_and_nothing_is_registered(
@@ -56,9 +57,9 @@ logging.disable(logging.CRITICAL)
 plugin.register()
 from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
 assert "pd" not in DISAGG_TRANSFER_BACKEND_CHOICES
-print("ok")
 """
 
 
 def test_the_installed_sglang_passes_and_a_removed_symbol_is_named() -> None:
-    run_in_sglang(CHECK_INSTALLED)
+    """The transfer backend's check, then the SLO scheduler's (``scheduler_check``), in one SGLang process."""
+    run_in_sglang(CHECK_INSTALLED + SLO_SCHEDULER_CHECK + 'print("ok")')
