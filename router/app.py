@@ -34,6 +34,7 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
 from router.requests import Kind, check_media_type, decode_json, parse
+from router.roles import parse_switch, switch_role
 from router.tokenize import PromptTokenizer
 from router.trace import Tracer
 from router.upstream import check_health
@@ -322,7 +323,7 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-# ---- admin API: list, add, remove, drain workers at runtime -----------------------------------------------
+# ---- admin API: list, add, remove, drain, switch workers at runtime ---------------------------------------
 
 
 class _WorkerRef(msgspec.Struct, forbid_unknown_fields=True):
@@ -333,19 +334,6 @@ class _WorkerRef(msgspec.Struct, forbid_unknown_fields=True):
 class _AddWorker(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     worker: WorkerConfig
-
-
-def _describe(w: Worker) -> dict[str, Any]:
-    return {
-        "role": w.role,
-        "url": w.url,
-        "engine": w.cfg.engine,
-        "healthy": w.healthy,
-        "draining": w.draining,
-        "circuit": w.circuit.state.value,
-        "active": w.active,
-        "outstanding_prefill_tokens": w.outstanding_tokens,
-    }
 
 
 def _admin_body(raw: bytes, spec: type[Any]) -> Any:
@@ -363,7 +351,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 
 
 async def _list_workers(request: web.Request) -> web.Response:
-    return _json({"workers": [_describe(w) for w in request.app[STATE].balancer.all_workers()]})
+    return _json({"workers": [w.describe() for w in request.app[STATE].balancer.all_workers()]})
 
 
 async def _add_worker(request: web.Request) -> web.Response:
@@ -387,7 +375,7 @@ async def _add_worker(request: web.Request) -> web.Response:
     await state.initial_check([worker])
     state.follow_kv_events(worker)
     log.info("admin: added %s worker %s", req.role, req.worker.url)
-    return _json(_describe(worker), 201)
+    return _json(worker.describe(), 201)
 
 
 async def _remove_worker(request: web.Request) -> web.Response:
@@ -399,7 +387,7 @@ async def _remove_worker(request: web.Request) -> web.Response:
         raise ApiError(404, f"no {ref.role} worker {ref.url}") from None
     await state.unfollow_kv_events(worker)
     log.info("admin: removed %s worker %s (%d legs finish there)", ref.role, ref.url, worker.active)
-    return _json(_describe(worker))
+    return _json(worker.describe())
 
 
 async def _drain_worker(request: web.Request) -> web.Response:
@@ -417,7 +405,13 @@ async def _drain_worker(request: web.Request) -> web.Response:
     worker.draining = drain
     state.balancer.pool(ref.role).notify()
     log.info("admin: %s %s worker %s", "draining" if drain else "undrained", ref.role, ref.url)
-    return _json(_describe(worker))
+    return _json(worker.describe())
+
+
+async def _switch_role(request: web.Request) -> web.Response:
+    """Move a worker to the other pool once its legs of the old role ended (``router.roles``)."""
+    req = parse_switch(await _read_body(request))
+    return _json((await switch_role(request.app[STATE], req)).describe())
 
 
 def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Application:
@@ -442,4 +436,5 @@ def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Applica
     app.router.add_post("/admin/workers", _add_worker)
     app.router.add_delete("/admin/workers", _remove_worker)
     app.router.add_post("/admin/workers/drain", _drain_worker)
+    app.router.add_post("/admin/workers/role", _switch_role)
     return app

@@ -3,8 +3,8 @@ weighed against cached prefixes when KV-aware routing is on.
 
 Lives in the router process and is mutated only from its event loop (no locks needed): the request path
 reserves a worker (``lease``) before sending and releases it when the leg ends, so ``active`` and
-``outstanding_tokens`` always reflect legs in flight. The admin API adds, removes and drains workers here;
-a removed or draining worker finishes its legs but gets no new ones.
+``outstanding_tokens`` always reflect legs in flight. The admin API adds, removes, drains and switches
+(``router.roles``) workers here; a removed or draining worker finishes its legs but gets no new ones.
 
 KV-aware routing (``[kv_routing]``): the balancer owns the router's ``PrefixIndex``. The proxy records each
 routed prompt's block hashes on the workers it went to (``record``), and ``place_decode`` / ``pick_prefill``
@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from router.config import CircuitConfig, KvRoutingConfig, WorkerConfig
 from router.health import CircuitBreaker, Clock
@@ -39,10 +39,26 @@ class Worker:
     draining: bool = False
     active: int = 0
     outstanding_tokens: int = 0
+    switching_to: str = ""  # the role an admin switch is draining it for ("" = none; router.roles)
 
     @property
     def url(self) -> str:
         return self.cfg.url
+
+    def describe(self) -> dict[str, Any]:
+        """What the admin API shows of the worker."""
+        return {
+            "role": self.role,
+            "url": self.url,
+            "engine": self.cfg.engine,
+            "roles": list(self.cfg.roles or (self.role,)),
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "switching_to": self.switching_to or None,
+            "circuit": self.circuit.state.value,
+            "active": self.active,
+            "outstanding_prefill_tokens": self.outstanding_tokens,
+        }
 
     def usable(self) -> bool:
         return self.healthy and not self.draining and self.circuit.allows()

@@ -18,6 +18,7 @@ import msgspec
 
 Engine = Literal["vllm", "sglang"]
 Flow = Literal["pd-push", "vllm-standard", "sglang-bootstrap"]
+Role = Literal["prefill", "decode"]
 
 
 class ConfigError(ValueError):
@@ -119,6 +120,9 @@ class TimeoutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     idle_s: float = 60.0
     # Whole request, from arrival to the last byte sent.
     request_s: float = 600.0
+    # How long a role switch (admin API) waits for the worker's legs of its old role to finish; then the
+    # switch is refused and the worker keeps its old role.
+    role_drain_s: float = 60.0
 
 
 class RetryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -161,6 +165,10 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # ZMQ endpoint of the engine's KV event publisher (vLLM ``--kv-events-config``), "" = none (KV-aware
     # routing then knows this worker's cache from the routing history alone).
     kv_events: str = ""
+    # The roles the engine can serve; empty: only the pool it is listed in. Both (``["prefill", "decode"]``,
+    # a vLLM engine started with ``kv_role`` ``kv_both``) lets the admin API switch it at run time: the router
+    # cannot ask an engine which roles it serves, so the operator says so here.
+    roles: tuple[Role, ...] = ()
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -227,6 +235,7 @@ def _check(cfg: RouterConfig) -> None:
         "timeouts.first_byte_s": cfg.timeouts.first_byte_s,
         "timeouts.idle_s": cfg.timeouts.idle_s,
         "timeouts.request_s": cfg.timeouts.request_s,
+        "timeouts.role_drain_s": cfg.timeouts.role_drain_s,
         "retry.max_attempts": cfg.retry.max_attempts,
         "health.interval_s": cfg.health.interval_s,
         "health.timeout_s": cfg.health.timeout_s,
@@ -280,6 +289,10 @@ def worker_errors(w: WorkerConfig, role: str, flow: Flow) -> list[str]:
         errors.append(f"kv_events: must be a ZMQ endpoint tcp://host:port or ipc://path, got {w.kv_events!r}")
     if role == "prefill" and flow == "sglang-bootstrap" and w.bootstrap_port <= 0:
         errors.append("bootstrap_port: sglang-bootstrap prefill workers need their bootstrap port")
+    if w.roles and role not in w.roles:
+        errors.append(f"roles: lists {list(w.roles)}, not {role!r}, the role it is added as")
+    if len(set(w.roles)) > 1 and w.engine != "vllm":
+        errors.append("roles: only vLLM engines (kv_role kv_both) serve both roles")
     return errors
 
 

@@ -134,6 +134,19 @@ class RouterMetrics:
             ["url", "result"],
             registry=r,
         )
+        self.role_switches = Counter(
+            "pd_router_role_switches",
+            "Role switches asked through the admin API, by target role and result (switched; timeout: its legs"
+            " of the old role did not finish within the drain timeout, it kept its role)",
+            ["role", "result"],
+            registry=r,
+        )
+        self.role_drain = Histogram(
+            "pd_router_role_drain_seconds",
+            "Role switches: from the drain's start to the last leg of the old role ending",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         # The request path's children, memoized: ``labels()`` costs ~3 us a call (argument checks and a
         # lock), several times per request; these label sets are few (endpoints, routes, reasons, statuses).
         self.requests_for = _memo(self.requests)
