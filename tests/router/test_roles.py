@@ -39,7 +39,8 @@ def _metric(text: str, name: str) -> float:
 
 
 async def _in_flight_on(c: Cluster, index: int, n_tokens: int) -> asyncio.Task[Any]:
-    """A slow request (``n_tokens`` of 0.1 s each) to D alone, on decode engine ``index``, once it is sent."""
+    """A slow request (``n_tokens`` of 0.1 s each: longer than the test's other requests take on a loaded
+    machine) to D alone, on decode engine ``index``, once it is sent."""
     others = [c.url(e) for i, e in enumerate(c.decode) if i != index]
     for url in others:  # the request can only be placed on ``index``
         await c.router.post("/admin/workers/drain", json={"role": "decode", "url": url})
@@ -57,7 +58,7 @@ async def _in_flight_on(c: Cluster, index: int, n_tokens: int) -> asyncio.Task[A
 async def test_a_switch_lets_the_old_roles_legs_finish_and_sends_none_meanwhile(make_cluster) -> None:
     c = await make_cluster(n_prefill=1, n_decode=2)
     both = await _as_both(c, 0)
-    slow = await _in_flight_on(c, 0, n_tokens=20)
+    slow = await _in_flight_on(c, 0, n_tokens=30)
     switch = asyncio.create_task(_switch(c, url=both, role="prefill", bootstrap="127.0.0.1:7100"))
     worker = c.state.balancer.decode.find(both)
     assert worker is not None
@@ -75,7 +76,7 @@ async def test_a_switch_lets_the_old_roles_legs_finish_and_sends_none_meanwhile(
     assert len(c.decode[0].requests) == sent and not switch.done()
     answer = await slow  # the leg of the old role finished there, whole
     assert answer.status == 200
-    assert (await answer.json())["choices"][0]["text"] == "".join(generate("a b", 20))
+    assert (await answer.json())["choices"][0]["text"] == "".join(generate("a b", 30))
     status, moved = await switch
     assert status == 200 and moved["role"] == "prefill" and moved["healthy"] is True
     assert c.state.balancer.decode.find(both) is None and c.state.balancer.prefill.find(both) is not None
@@ -100,7 +101,7 @@ async def test_a_switch_lets_the_old_roles_legs_finish_and_sends_none_meanwhile(
 async def test_a_drain_that_times_out_leaves_the_worker_in_its_role(make_cluster) -> None:
     c = await make_cluster(n_prefill=1, n_decode=2)
     both = await _as_both(c, 0)
-    slow = await _in_flight_on(c, 0, n_tokens=20)
+    slow = await _in_flight_on(c, 0, n_tokens=10)
     status, body = await _switch(c, url=both, role="prefill", bootstrap="h:1", drain_timeout_s=0.2)
     assert status == 409 and "still had 1 decode legs" in body["error"]["message"]
     worker = c.state.balancer.decode.find(both)
