@@ -5,10 +5,10 @@
 alternating), static ``--chunked-prefill-size`` with ``--enable-mixed-chunk`` (decodes ride along with each
 chunk; the size counts them, like vLLM's budget), and ``PD_SGLANG_SCHEDULER=slo`` with ``--enable-mixed-chunk``.
 
-One colocated CPU server at a time (bench model), the same seeded workload for every configuration:
-``--decodes`` streaming requests kept running all the time (a finished one is replaced at once), plus long
-prompts (``--long-tokens`` random token ids each, distinct so the prefix cache never helps) arriving as a
-Poisson process. The client records the arrival time of every streamed token.
+One colocated CPU server at a time (bench model; tiny model for SGLang), the same seeded workload for every
+configuration: ``--decodes`` streaming requests kept running all the time (a finished one is replaced at
+once), plus long prompts (``--long-tokens`` random token ids each, distinct so the prefix cache never helps)
+arriving as a Poisson process. The client records the arrival time of every streamed token.
 
 Reported per configuration (all from the measurement window, after a warm-up long prompt):
 - ``itl_max``: the worst gap between consecutive tokens of a stream (what a user sees as a freeze);
