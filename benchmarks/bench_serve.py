@@ -37,6 +37,13 @@ def log(msg: str) -> None:
     print(f"[bench_serve] {msg}", file=sys.stderr, flush=True)
 
 
+def dataset_seed(rep: int, name: str) -> int:
+    """The random dataset's seed of one run: its own per repetition AND system, so no run's prompts are in a
+    server's prefix cache from an earlier run (the same seed for both systems of a repetition made the second
+    one's prompts prefix-cache hits on D)."""
+    return 1 + 2 * rep + ("pd", "colocated").index(name)
+
+
 def bench(url: str, model: Path, args: argparse.Namespace, seed: int, name: str) -> dict[str, float]:
     """One ``pd-vllm bench serve`` run against ``url``; vLLM's result (KEYS)."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
@@ -98,9 +105,7 @@ def main() -> None:
             order = ["pd", "colocated"] if rep % 2 == 0 else ["colocated", "pd"]
             for name in order:
                 sent = metric(p_url, "vllm:pd_connector_bytes_sent_total")
-                runs[name].append(
-                    bench(targets[name], model, args, seed=1000 * rep + len(runs[name]) + 1, name=name)
-                )
+                runs[name].append(bench(targets[name], model, args, seed=dataset_seed(rep, name), name=name))
                 moved = metric(p_url, "vllm:pd_connector_bytes_sent_total") - sent
                 if (name == "pd") != (moved > 0):
                     raise RuntimeError(f"{name} run moved {moved} bytes of KV")
