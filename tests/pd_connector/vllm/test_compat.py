@@ -203,7 +203,9 @@ def test_limit_busy_poll_lets_a_reader_sleep_on_idle_steps_only_and_still_wakes_
     poll.idle = True
     sleeping = cpu_share_of_waiting(reader, 0.2)
     assert reader.busy_loop_s == 0.001
-    assert spinning > 0.1 and computing > 0.1 and sleeping < min(spinning, computing) / 3, (
+    # Shares of a core this process got: on a loaded machine (or under nice) a spinning reader gets less than
+    # a core, so the floor only proves it spun; the claim is sleeping against spinning.
+    assert spinning > 0.05 and computing > 0.05 and sleeping < min(spinning, computing) / 3, (
         spinning,
         computing,
         sleeping,
