@@ -5,7 +5,8 @@ their context, where the next prefill chunk starts), asks ``prefill_chunk`` how 
 and asks ``deadline_order`` in which order to serve waiting prefills on a prefill node.
 
 Guarantees the tests check:
-- the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap;
+- the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap,
+  and is the whole room the cap leaves when that fits the target;
 - the chunk is at least ``min_chunk`` whenever the engine cap allows, even when the decodes alone already
   exceed the target: every pending prefill makes progress each step, so nothing starves;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target.
@@ -55,6 +56,8 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
             lo = mid
         else:
             hi = mid - 1
+    if lo == room // align and room % align and model.predict(plan.shape(room)) <= limit_s:
+        return room  # the whole room fits: the cap, not the alignment, bounds the chunk
     return min(room, max(lo * align, min_chunk))
 
 

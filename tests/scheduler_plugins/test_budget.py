@@ -50,6 +50,14 @@ def test_engine_cap_bounds_the_chunk() -> None:
     )
 
 
+def test_the_whole_room_when_it_fits_even_unaligned() -> None:
+    """Room 100 (cap 104, 4 decodes): 20 + 4 + 100 = 124 ms. Within the target the chunk is the room, not 96
+    (a step the engine could fill is not cut to the alignment); just under it, the largest aligned chunk."""
+    plan = _plan(decodes=4, cap=104)
+    assert prefill_chunk(CostModel(LAW), plan, limit_s=0.124 + 1e-12, align=32, min_chunk=32) == 100
+    assert prefill_chunk(CostModel(LAW), plan, limit_s=0.1239, align=32, min_chunk=32) == 96
+
+
 def test_attention_cost_shrinks_chunks_deep_into_a_long_prompt() -> None:
     model = CostModel((0.020, 1e-3, 1e-3, 1e-6))
     early = prefill_chunk(model, _plan(cached=0), limit_s=0.2, align=32, min_chunk=32)
@@ -89,6 +97,8 @@ def test_chunk_invariants(
     assert chunk >= min(min_chunk, room)  # always progress when the engine has room
     if chunk < room:
         assert chunk % align == 0  # block-aligned unless clipped by the cap
+    elif chunk % align and chunk > min_chunk:
+        assert model.predict(plan.shape(chunk)) <= limit_ms / 1e3  # the unaligned whole room only if it fits
     if chunk > min_chunk and chunk % align == 0:
         assert model.predict(plan.shape(chunk)) <= limit_ms / 1e3  # above the floor only if it fits
         if chunk + align <= room:
