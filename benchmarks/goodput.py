@@ -179,7 +179,7 @@ def run_system(
     rng = random.Random(f"{args.seed}-{workload.name}-{name}")
     slo2 = slo_by_scale[HEADLINE_SCALE] if slo_by_scale else None
     slo_ms = (max(slo2.ttft_ms.values()), slo2.tpot_ms) if slo2 else None
-    system = build(name, args.model, args.dtype, args.max_len, LOG_DIR, slo_ms)
+    system = build(name, args.model, args.dtype, args.max_len, LOG_DIR, slo_ms, args.confine)
     idle: dict[str, Any] | None = None
     points: list[tuple[float, dict[str, Any]]] = []
     raw: dict[float, dict[str, Any]] = {}
@@ -274,6 +274,13 @@ def main() -> None:
     parser.add_argument("--run-timeout-s", type=float, default=600.0, help="per vllm bench serve run")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs"), help="'' for no plots")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--confine",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every process of an engine on its core (API server, EngineCore too), not only vLLM's OpenMP "
+        "threads; the runs in docs/performance.md are without it",
+    )
     args = parser.parse_args()
     if HEADLINE_SCALE not in args.slo_scales:
         args.slo_scales.append(HEADLINE_SCALE)
@@ -305,7 +312,9 @@ def main() -> None:
         "rates": {w: sorted(args.rates) if args.rates else list(WORKLOADS[w].rates) for w in args.workloads},
         "workloads": {w: [vars(c) for c in WORKLOADS[w].classes] for w in args.workloads},
         "idle": idle,
-        "cores": "one engine per core (0, 1); router and load generator unpinned",
+        "cores": "one engine per core (0, 1)"
+        + (", every process of it there" if args.confine else ", its OpenMP threads pinned")
+        + "; router and load generator unpinned",
         "load_average": os.getloadavg(),
     }
     print(json.dumps(out))

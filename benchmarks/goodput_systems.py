@@ -99,9 +99,11 @@ def build(
     max_len: int,
     log_dir: Path,
     slo_ms: tuple[float, float] | None = None,
+    confine: bool = False,
 ) -> System:
     """The servers of system ``name`` (not started). ``slo_ms``: (TTFT, ITL) targets of ``aggregated_slo``'s
-    scheduler, required for it and ignored otherwise."""
+    scheduler, required for it and ignored otherwise. ``confine``: every process of an engine on its core
+    (``vllm_server(confine=True)``), not only its OpenMP threads."""
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": str(model), "served_names": [SERVED], "max_model_len": max_len},
         "kv_routing": {"block_size": BLOCK_TOKENS},
@@ -115,6 +117,7 @@ def build(
             log_dir=log_dir,
             name=f"{name}-{role}",
             cpu_core=core,
+            confine=confine,
             dtype=dtype,
             max_model_len=max_len,
             kv_transfer_config=kv,

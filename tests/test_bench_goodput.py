@@ -1,9 +1,11 @@
 """The pure parts of benchmarks.goodput: goodput interpolation at its boundaries, SLO derivation, attainment
-per request class, and the JSON's shape (benchmarks/goodput_analysis.py)."""
+per request class, and the JSON's shape (benchmarks/goodput_analysis.py); and that ``--confine`` puts every
+process of an engine on its core (benchmarks/goodput_systems.py)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from benchmarks.goodput_analysis import (
     summarize,
     target_met,
 )
+from benchmarks.goodput_systems import build
 
 MIXED = WORKLOADS["mixed"]
 
@@ -133,3 +136,13 @@ def test_stage_means_are_per_engine_deltas() -> None:
         "prefill": {"requests": 4, "queue_ms_mean": 500.0, "prefill_ms_mean": 4000.0, "decode_ms_mean": 0.0}
     }
     assert stage_means(before, before)["prefill"]["queue_ms_mean"] is None  # nothing finished
+
+
+@pytest.mark.parametrize("confine", [False, True])
+def test_confine_puts_each_engine_on_its_core(tmp_path: Path, confine: bool) -> None:
+    system = build("pd", tmp_path / "model", "float32", 2048, tmp_path, confine=confine)
+    firsts = [list(engine.argv[:3]) for engine in system.engines]
+    if confine:
+        assert firsts == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
+    else:
+        assert all(first[0] != "taskset" for first in firsts)
