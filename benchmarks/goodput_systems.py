@@ -13,7 +13,9 @@ what the system is about (same model and dtype); one engine is pinned to core 0,
 - ``pd``: P (PDConnector producer, core 0) and D (consumer, core 1), pd-router's ``pd-push`` flow with the
   threshold policy (prompts shorter than its ``threshold_tokens`` are served by D alone);
 - ``nixl``: P and D with vLLM's NixlConnector (``kv_buffer_device: cpu``), pd-router's ``vllm-standard``
-  flow (P with ``max_tokens`` 1, then D pulls the KV), the same threshold policy.
+  flow (P with ``max_tokens`` 1, then D is meant to pull the KV), the same threshold policy. It does not
+  measure NIXL today: that flow accepts only PDConnector's answer from P (docs/router.md), so D prefills
+  every prompt itself; the run's KV check reports "no KV moved" (docs/performance.md ``## goodput``).
 """
 
 from __future__ import annotations
