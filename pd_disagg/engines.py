@@ -70,9 +70,9 @@ def vllm_server(
     ``cpu_core`` pins vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``), so two servers on a two-core
     machine do not fight over the same core. ``confine`` also keeps every other process of the server (API
     server, EngineCore) on those cores (``taskset``): a benchmark standing in for servers on separate hosts
-    uses it, so one server's front end and idle loops do not run on the other's core. ``kv_transfer_config`` is a dict (passed as JSON text) or the
-    path of a JSON file (passed as the path: ``pd-vllm`` reads it). ``cwd``: the server's working directory
-    (relative model and config paths resolve there).
+    uses it, so one server's front end and idle loops do not run on the other's core. ``kv_transfer_config``
+    is a dict (passed as JSON text) or the path of a JSON file (passed as the path: ``pd-vllm`` reads it).
+    ``cwd``: the server's working directory (relative model and config paths resolve there).
     """
     port = port or free_port()
     cores = str(cpu_core).replace("|", ",")

@@ -1,8 +1,9 @@
 """Per-iteration token budget and prefill order: the policy, independent of any engine.
 
-The adapter (``scheduler_plugins.vllm``, ``scheduler_plugins.sglang``) describes the step it is about to build (how many decodes run and
-their context, where the next prefill chunk starts), asks ``prefill_chunk`` how many prefill tokens to add,
-and asks ``deadline_order`` in which order to serve waiting prefills on a prefill node.
+The adapter (``scheduler_plugins.vllm``, ``scheduler_plugins.sglang``) describes the step it is about to
+build (how many decodes run and their context, where the next prefill chunk starts), asks ``prefill_chunk``
+how many prefill tokens to add, and asks ``deadline_order`` in which order to serve waiting prefills on a
+prefill node.
 
 Guarantees the tests check:
 - the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap,
