@@ -1,8 +1,8 @@
 """TTFT and ITL through pd-router (P->D) against colocated, measured by vLLM's own load generator.
 
 Issue 18's user-side measurement, rerunnable: one P (core 0), one D (core 1) and pd-router (flow pd-push,
-every prompt P->D), the same cluster as ``benchmarks.first_token`` (``--confine`` too); ``pd-vllm bench serve`` (vLLM's
-``vllm bench serve`` behind pd-disagg's version shim) sends ``--num-prompts`` random-token prompts of
+every prompt P->D), the same cluster as ``benchmarks.first_token`` (``--confine`` too); ``pd-vllm bench
+serve`` (vLLM's ``vllm bench serve`` behind pd-disagg's version shim) sends ``--num-prompts`` random-token prompts of
 ``--input-len`` tokens, ``--output-len`` tokens each (ignore_eos), Poisson at ``--rate`` requests/s, streamed:
 - ``pd``: to pd-router (P->D);
 - ``colocated``: straight to D (D prefills and decodes).

@@ -305,7 +305,8 @@ def main() -> None:
         "--confine",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep each server's every process on its core, as on separate hosts (else only vLLM's OpenMP threads)",
+        help="keep each server's every process on its core, as on separate hosts "
+        "(else only vLLM's OpenMP threads)",
     )
     parser.add_argument("--plot", type=Path, help="write the stage breakdown as a PNG here")
     args = parser.parse_args()
