@@ -105,6 +105,22 @@ class RouterState:
         if self.balancer.prefixes is not None:
             self.balancer.prefixes.forget(worker)
 
+    async def admit(self, cfg: WorkerConfig, role: str) -> Worker:
+        """Add a worker at run time (admin API, role switch): one health check sets its state, and its KV
+        events are followed. Raises ``ValueError`` when the URL is already a worker of ``role``."""
+        worker = self.balancer.add(cfg, role)
+        worker.healthy = False
+        await self.initial_check([worker])
+        self.follow_kv_events(worker)
+        return worker
+
+    async def retire(self, url: str, role: str) -> Worker:
+        """Remove a worker at run time (its legs in flight finish) and stop following its KV events. Raises
+        ``KeyError`` when ``url`` is no worker of ``role``."""
+        worker = self.balancer.remove(url, role)
+        await self.unfollow_kv_events(worker)
+        return worker
+
     def _count_kv_events(self, url: str, result: str) -> None:
         self.metrics.kv_events.labels(url, result).inc()
 
@@ -368,12 +384,9 @@ async def _add_worker(request: web.Request) -> web.Response:
     if problems:
         raise bad_request("; ".join(problems), "worker")
     try:
-        worker = state.balancer.add(req.worker, req.role)
+        worker = await state.admit(req.worker, req.role)
     except ValueError as e:
         raise ApiError(409, str(e)) from None
-    worker.healthy = False
-    await state.initial_check([worker])
-    state.follow_kv_events(worker)
     log.info("admin: added %s worker %s", req.role, req.worker.url)
     return _json(worker.describe(), 201)
 
@@ -382,10 +395,9 @@ async def _remove_worker(request: web.Request) -> web.Response:
     state = request.app[STATE]
     ref = _admin_body(await _read_body(request), _WorkerRef)
     try:
-        worker = state.balancer.remove(ref.url, ref.role)
+        worker = await state.retire(ref.url, ref.role)
     except KeyError:
         raise ApiError(404, f"no {ref.role} worker {ref.url}") from None
-    await state.unfollow_kv_events(worker)
     log.info("admin: removed %s worker %s (%d legs finish there)", ref.role, ref.url, worker.active)
     return _json(worker.describe())
 

@@ -27,7 +27,7 @@ from typing import Protocol
 import msgspec
 
 from router.balancer import Balancer, Pool, Worker
-from router.config import Role, RouterConfig, worker_errors
+from router.config import Role, RouterConfig, WorkerConfig, worker_errors
 from router.errors import ApiError, bad_request
 from router.metrics import RouterMetrics
 from router.requests import decode_json
@@ -57,11 +57,9 @@ class Switchable(Protocol):
     balancer: Balancer
     metrics: RouterMetrics
 
-    async def initial_check(self, workers: list[Worker]) -> None: ...
+    async def admit(self, cfg: WorkerConfig, role: str) -> Worker: ...
 
-    def follow_kv_events(self, worker: Worker) -> None: ...
-
-    async def unfollow_kv_events(self, worker: Worker) -> None: ...
+    async def retire(self, url: str, role: str) -> Worker: ...
 
 
 def parse_switch(raw: bytes) -> RoleSwitch:
@@ -124,12 +122,8 @@ async def switch_role(router: Switchable, req: RoleSwitch) -> Worker:
             )
         raise ApiError(409, f"{req.url} was removed, or added as a {req.role} worker, while it drained")
     router.metrics.role_drain.observe(time.monotonic() - started)
-    balancer.remove(req.url, old_role)
-    await router.unfollow_kv_events(worker)
-    moved = balancer.add(new_cfg, req.role)
-    moved.healthy = False
-    await router.initial_check([moved])
-    router.follow_kv_events(moved)
+    await router.retire(req.url, old_role)
+    moved = await router.admit(new_cfg, req.role)
     router.metrics.role_switches.labels(req.role, "switched").inc()
     log.info("admin: switched %s from %s to %s", req.url, old_role, req.role)
     return moved
