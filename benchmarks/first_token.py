@@ -12,9 +12,15 @@ requests are timed on the client side (greedy, ``--max-tokens`` each, float32 so
 - ``pd``: through pd-router (P->D);
 - ``colocated``: straight to D, no transfer (D prefills and decodes);
 - ``prefill``: straight to P with ``max_tokens`` 1: P's prefill alone.
-``fixed_overhead_ms`` is, per repetition, TTFT pd minus the prefill request's TTFT (what the P/D path adds
-to P's own prefill), then the median. ITL is the gaps between the events the client got (one per token
-unless an engine merged them), pd vs colocated. ``stages_ms`` is the median of each span between anchor
+``fixed_overhead_ms`` is, per P/D request, its client-side TTFT minus P's own time on that same request
+(``P_SPAN``: the router sent P's leg -> P's prefill ended, which holds vLLM's front end on P and the prefill,
+both paid by a request sent straight to P too), then the median: what the P/D path adds around P's work,
+an upper bound (P's output path is counted in it, though a request straight to P pays that too). Pairing
+within one request keeps it measurable where P's prefill varies between requests by more than the overhead
+(the bench model here). ``fixed_overhead_unpaired_ms`` is the older estimate, per repetition TTFT pd minus
+the prefill request's TTFT, then the median. ITL is the gaps between the events the client got (one per
+token unless an engine merged them), pd vs colocated; ``first_gap_ms`` is the first of them (with
+first-token seeding, P's token to D's first: the hand-off), the rest are ``later_itl_ms``. ``stages_ms`` is the median of each span between anchor
 stamps of the P/D requests' trace records along the first token's path (``SPANS``: with first-token seeding
 it runs through P's answer), ``handoff_ms`` the same for the hand-off to D beside it (``HANDOFF``).
 
@@ -55,6 +61,8 @@ SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
     ("router_out", ("router", "prefill_returned"), ("router", "client_first_byte")),
 )
+#: P's own time on a P/D request, what a request sent straight to P pays too: vLLM's front end and the prefill.
+P_SPAN: tuple[tuple[str, str], tuple[str, str]] = (("router", "prefill_sent"), ("prefill", "prompt_done"))
 #: The hand-off to D, beside that path (D continues from P's token once its load is reported).
 HANDOFF: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
@@ -184,20 +192,55 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def stage_breakdown(
-    records: list[TraceRecord], spans: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = SPANS
-) -> dict[str, float]:
-    """Median milliseconds of each of ``spans`` over the P/D requests whose three records are complete."""
+def joined(records: list[TraceRecord]) -> dict[str, dict[str, dict[str, float]]]:
+    """Transfer id -> component -> stages, of the router's records and the engines' completed transfers."""
     by_id: dict[str, dict[str, dict[str, float]]] = {}
     for record in records:
         if record.transfer_id and (record.component == "router" or record.state == "done"):
             by_id.setdefault(record.transfer_id, {})[record.component] = record.stages
+    return by_id
+
+
+def span_ms(parts: dict[str, dict[str, float]], start: tuple[str, str], end: tuple[str, str]) -> float | None:
+    """Milliseconds from ``start`` to ``end`` (component, stage) of one joined request, None if one is missing."""
+    (ca, sa), (cb, sb) = start, end
+    if sa in parts.get(ca, {}) and sb in parts.get(cb, {}):
+        return 1000 * (parts[cb][sb] - parts[ca][sa])
+    return None
+
+
+def stage_breakdown(
+    records: list[TraceRecord], spans: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = SPANS
+) -> dict[str, float]:
+    """Median milliseconds of each of ``spans`` over the P/D requests whose three records are complete."""
     values: dict[str, list[float]] = {name: [] for name, _, _ in spans}
-    for parts in by_id.values():
-        for name, (ca, sa), (cb, sb) in spans:
-            if sa in parts.get(ca, {}) and sb in parts.get(cb, {}):
-                values[name].append(1000 * (parts[cb][sb] - parts[ca][sa]))
+    for parts in joined(records).values():
+        for name, start, end in spans:
+            if (ms := span_ms(parts, start, end)) is not None:
+                values[name].append(ms)
     return {name: round(statistics.median(v), 2) for name, v in values.items() if v}
+
+
+def paired_overhead(records: list[TraceRecord], ttft_s: dict[str, float]) -> list[float]:
+    """Per P/D request (transfer id -> client TTFT in s): TTFT minus P's own time on it (``P_SPAN``), in ms."""
+    by_id = joined(records)
+    out = []
+    for tid, ttft in ttft_s.items():
+        if (p_ms := span_ms(by_id.get(tid, {}), *P_SPAN)) is not None:
+            out.append(1000 * ttft - p_ms)
+    return out
+
+
+def gap_stats(arrivals: list[list[float]]) -> dict[str, dict[str, float]]:
+    """p50/p99 ms of all gaps between events, of the first gap of each request, and of the later ones."""
+    every = [b - a for events in arrivals for a, b in itertools.pairwise(events)]
+    first = [events[1] - events[0] for events in arrivals if len(events) > 1]
+    later = [b - a for events in arrivals for a, b in itertools.pairwise(events[1:])]
+    return {
+        key: {"p50": round(1000 * percentile(v, 0.5), 2), "p99": round(1000 * percentile(v, 0.99), 2)}
+        for key, v in (("itl_ms", every), ("first_gap_ms", first), ("later_itl_ms", later))
+        if v
+    }
 
 
 def measure(
@@ -211,39 +254,42 @@ def measure(
         stream(base_url(cluster.d), body(cluster.prompt(length, rng), 2))
     cluster.trace.write_bytes(b"")  # only measured requests from here on
     ttft: dict[tuple[int, str], list[float]] = {}
-    gaps: dict[tuple[int, str], list[float]] = {}
-    overhead: dict[int, list[float]] = {}
-    pd_ids: dict[int, set[str]] = {length: set() for length in lengths}
+    events: dict[tuple[int, str], list[list[float]]] = {}
+    unpaired: dict[int, list[float]] = {}
+    pd_ttft: dict[int, dict[str, float]] = {length: {} for length in lengths}
     for i, (length, _) in enumerate(order):
         seen = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"}
         pd, route = stream(cluster.router, body(cluster.prompt(length, rng), max_tokens))
         if route != "disagg":
             raise RuntimeError(f"pd-router sent a {length}-token prompt {route!r}, not P->D")
         new = {r.transfer_id for r in read_trace(str(cluster.trace)) if r.component == "router"} - seen
-        pd_ids[length] |= new
+        if len(new) != 1:
+            raise RuntimeError(f"expected one new router trace record for a P/D request, found {len(new)}")
+        pd_ttft[length][new.pop()] = pd[0]
         colocated, _ = stream(base_url(cluster.d), body(cluster.prompt(length, rng), max_tokens))
         prefill, _ = stream(base_url(cluster.p), body(cluster.prompt(length, rng), 1))
         for kind, arrivals in (("pd", pd), ("colocated", colocated), ("prefill", prefill)):
             ttft.setdefault((length, kind), []).append(arrivals[0])
-            gaps.setdefault((length, kind), []).extend(b - a for a, b in itertools.pairwise(arrivals))
-        overhead.setdefault(length, []).append(pd[0] - prefill[0])
+            events.setdefault((length, kind), []).append(arrivals)
+        unpaired.setdefault(length, []).append(pd[0] - prefill[0])
         log(f"{cluster.name}: {i + 1}/{len(order)} ({length} tokens) ttft pd {pd[0] * 1000:.1f} ms")
     records = read_trace(str(cluster.trace))
     out: dict[str, Any] = {}
     for length in lengths:
         ms = {kind: 1000 * statistics.median(ttft[length, kind]) for kind in ("pd", "colocated", "prefill")}
+        mine = [r for r in records if r.transfer_id in pd_ttft[length]]
+        paired = paired_overhead(mine, pd_ttft[length])
+        if len(paired) != len(pd_ttft[length]):
+            raise RuntimeError(f"{len(pd_ttft[length]) - len(paired)} P/D requests lack P's trace stamps")
+        gaps = {kind: gap_stats(events[length, kind]) for kind in ("pd", "colocated")}
         out[str(length)] = {
             "ttft_ms": {k: round(v, 2) for k, v in ms.items()},
             "ttft_pd_vs_colocated": round(ms["pd"] / ms["colocated"], 3),
-            "fixed_overhead_ms": round(1000 * statistics.median(overhead[length]), 2),
-            "itl_ms": {
-                kind: {
-                    "p50": round(1000 * percentile(gaps[length, kind], 0.5), 2),
-                    "p99": round(1000 * percentile(gaps[length, kind], 0.99), 2),
-                }
-                for kind in ("pd", "colocated")
-            },
-            "stages_ms": stage_breakdown(mine := [r for r in records if r.transfer_id in pd_ids[length]]),
+            "fixed_overhead_ms": round(statistics.median(paired), 2),
+            "fixed_overhead_p99_ms": round(percentile(paired, 0.99), 2),
+            "fixed_overhead_unpaired_ms": round(1000 * statistics.median(unpaired[length]), 2),
+            **{key: {kind: gaps[kind][key] for kind in gaps} for key in gaps["pd"]},
+            "stages_ms": stage_breakdown(mine),
             "handoff_ms": stage_breakdown(mine, HANDOFF),
         }
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.first_token import HANDOFF, SPANS, stage_breakdown
+from benchmarks.first_token import HANDOFF, SPANS, gap_stats, paired_overhead, stage_breakdown
 from pd_connector.trace import TraceRecord
 from pd_disagg.engines import vllm_server
 
@@ -37,6 +37,20 @@ def test_spans_of_joined_requests_add_up_to_the_routers_ttft() -> None:
 def test_failed_transfers_are_left_out() -> None:
     stages = stage_breakdown(_request("a", 0.0, state="failed"))
     assert "p_prefill" not in stages and stages["router_in"] == 1.0
+
+
+def test_fixed_overhead_is_the_ttft_less_ps_own_time_on_the_same_request() -> None:
+    # P's own time (router sent P's leg -> P's prefill ended) is 149 ms in both; the client saw 175 and 160 ms.
+    records = _request("a", 100.0) + _request("b", 200.0) + _request("c", 300.0, state="failed")
+    overheads = paired_overhead(records, {"a": 0.175, "b": 0.160, "c": 0.5})
+    assert [round(ms, 6) for ms in overheads] == [26.0, 11.0]
+
+
+def test_first_gap_is_split_from_the_later_ones() -> None:
+    stats = gap_stats([[0.0, 0.050, 0.060, 0.070], [0.0, 0.030, 0.040]])
+    assert stats["first_gap_ms"]["p99"] == 50.0 and stats["first_gap_ms"]["p50"] in (30.0, 50.0)
+    assert stats["later_itl_ms"] == {"p50": 10.0, "p99": 10.0}
+    assert stats["itl_ms"]["p99"] == 50.0
 
 
 def test_confine_runs_every_process_of_a_server_on_its_cores(tmp_path: Path) -> None:
