@@ -88,6 +88,41 @@ class PrefillReturned(msgspec.Struct, frozen=True):
 #: Every shape an engine may receive; ``parse_params`` says which one a request carries.
 Params = PushPrefill | PushDecode | StandardPrefill | PrefillReturned
 
+#: A host as vLLM's NixlConnector names its side channel (``VLLM_NIXL_SIDE_CHANNEL_HOST``): a name or address.
+Host = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\[\]-]+$", min_length=1, max_length=255)]
+#: A TCP port.
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+#: An index into an engine's KV cache blocks, or a count of tokens.
+Index = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+#: A parallel size (tensor, decode-context or pipeline ranks).
+Ranks = Annotated[int, msgspec.Meta(ge=1, le=4096)]
+
+
+class NixlReturned(msgspec.Struct, frozen=True):
+    """What vLLM 0.32.0's NixlConnector answers from P in ``kv_transfer_params`` (its scheduler's
+    ``request_finished``, pull and push mode alike), which is what D's NixlConnector reads to fetch the prompt's
+    blocks from P: pd-router's vllm-standard flow re-encodes exactly these fields onto D's leg, once it checked
+    ``remote_host`` against the prefill worker that answered (``router/upstream.py``).
+
+    Parsed strictly (``msgspec.convert(..., strict=True)``), other fields left out. ``remote_block_ids``: P's
+    blocks per KV cache group; ``remote_blocks_expiry_time``: P answers null (push mode leaves it out). Not a
+    shape PDConnector takes, so not in ``Params``.
+    """
+
+    remote_engine_id: TransferId
+    remote_request_id: TransferId
+    remote_host: Host
+    remote_port: Port
+    remote_block_ids: list[list[Index]]
+    remote_num_tokens: Index
+    tp_size: Ranks
+    dcp_size: Ranks
+    pp_size: Ranks
+    transfer_mode: Literal["pull", "push"]
+    do_remote_prefill: Literal[True]
+    do_remote_decode: Literal[False]
+    remote_blocks_expiry_time: None = None
+
 
 _NEEDED: dict[type[Params], tuple[str, ...]] = {
     PushPrefill: ("pd_transfer_id", "pd_test_corrupt"),
@@ -99,7 +134,7 @@ _NEEDED: dict[type[Params], tuple[str, ...]] = {
 _QUIET_FIELDS = ("pd_test_corrupt", "pd_seed_first_token", "pd_first_token")
 
 
-def encode(params: Params) -> dict[str, Any]:
+def encode(params: Params | NixlReturned) -> dict[str, Any]:
     """The JSON-ready dict for a body's ``kv_transfer_params`` (the optional fields only when set)."""
     out: dict[str, Any] = msgspec.to_builtins(params)
     for name in _QUIET_FIELDS:

@@ -6,7 +6,8 @@ transfer id; vllm-standard sends P first and D what P returned, trying other P o
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
 (``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
 ``seeding.applies`` to streams P's first token as soon as P's leg answered and asks D to continue from it
-(``first_events``).
+(``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its own first token: the client
+then gets D's stream alone, as from vLLM's own proxies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from pd_connector import wire
 from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
@@ -34,6 +36,7 @@ from router.upstream import (
     post_json,
     prefill_body,
     read_event,
+    returned_id,
     returned_params,
     transfer_id,
 )
@@ -112,15 +115,16 @@ class Legs:
             for candidate in self._prefill_candidates(prefill, failed):
                 try:
                     data = await self._post_prefill(candidate, path, p_body, tokens)
-                    params = returned_params(data)
+                    params = returned_params(data, candidate)
                     if stamps is not None:  # the engines know this transfer by P's id
-                        stamps.transfer_id = params.pd_transfer_id
+                        stamps.transfer_id = returned_id(params)
                         stamps.mark("prefill_returned")
                 except UpstreamError as e:
                     self.fail(candidate, e, failed)
                     continue
-                d_body = decode_body(body, flow, transfer, candidate, room, params, seed)
-                answered = asyncio.create_task(_answered(data)) if seed else None
+                seeded = seed and isinstance(params, wire.PrefillReturned)  # NIXL's D cannot be seeded
+                d_body = decode_body(body, flow, transfer, candidate, room, params, seeded)
+                answered = asyncio.create_task(_answered(data)) if seeded else None
                 return msgspec.json.encode({**d_body, **extra}), False, answered
             return local, True, None  # no prefill worker succeeded: D prefills locally
         task = asyncio.create_task(self._post_prefill(prefill, path, p_body, tokens))

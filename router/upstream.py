@@ -5,8 +5,8 @@ upstream's answer or raises ``UpstreamError`` saying whether another worker may 
 whether the worker itself is to blame (``worker_fault``, which feeds its circuit breaker). An upstream 4xx is
 the client's mistake: it is passed through unchanged and never retried. Bodies follow docs/wire-contract.md:
 ``pd-push`` (our connector: transfer id to both legs, sent concurrently), ``vllm-standard`` (P first with
-``do_remote_decode``, then D with what P returned) and ``sglang-bootstrap`` (bootstrap host/port/room to
-both).
+``do_remote_decode``, then D with what P returned: PDConnector's or NixlConnector's answer, re-encoded) and
+``sglang-bootstrap`` (bootstrap host/port/room to both).
 """
 
 from __future__ import annotations
@@ -182,54 +182,99 @@ def prefill_body(body: dict[str, Any], flow: Flow, transfer: str, prefill: Worke
     return msgspec.json.encode(out)
 
 
+#: What P may answer in vllm-standard: PDConnector's params, or vLLM's NixlConnector's.
+Returned = wire.PrefillReturned | wire.NixlReturned
+
+
 def decode_body(
     body: dict[str, Any],
     flow: Flow,
     transfer: str,
     prefill: Worker,
     room: int,
-    returned: wire.PrefillReturned | None = None,
+    returned: Returned | None = None,
     seed: bool = False,
 ) -> dict[str, Any]:
     """What D gets on the disaggregated path (``returned``: what P answered in vllm-standard; ``seed``: continue
-    from P's first token, ``router.seeding``)."""
+    from P's first token, ``router.seeding``, which only PDConnector's D can)."""
     out = dict(body)
     if flow == "pd-push":
         push = wire.PushDecode(transfer, prefill.cfg.bootstrap, pd_seed_first_token=seed)
         out[wire.KV_TRANSFER_PARAMS] = wire.encode(push)
     elif flow == "vllm-standard":
         assert returned is not None
-        out[wire.KV_TRANSFER_PARAMS] = wire.encode(
-            msgspec.structs.replace(returned, pd_seed_first_token=seed)
-        )
+        if isinstance(returned, wire.PrefillReturned):
+            returned = msgspec.structs.replace(returned, pd_seed_first_token=seed)
+        else:
+            assert not seed, "NixlConnector's D cannot continue from P's first token"
+        out[wire.KV_TRANSFER_PARAMS] = wire.encode(returned)
     else:
         out.update(sglang_fields(prefill, room))
     return out
 
 
+def prefill_host(prefill: Worker) -> str:
+    """The host a prefill worker's engine is reached at: its configured ``bootstrap``'s host, else its URL's."""
+    if prefill.cfg.bootstrap:
+        return prefill.cfg.bootstrap.rsplit(":", 1)[0]
+    return urlsplit(prefill.url).hostname or ""
+
+
 def sglang_fields(prefill: Worker, room: int) -> dict[str, Any]:
-    host = (
-        prefill.cfg.bootstrap.rsplit(":", 1)[0] if prefill.cfg.bootstrap else urlsplit(prefill.url).hostname
-    )
-    return {"bootstrap_host": host, "bootstrap_port": prefill.cfg.bootstrap_port, "bootstrap_room": room}
+    return {
+        "bootstrap_host": prefill_host(prefill),
+        "bootstrap_port": prefill.cfg.bootstrap_port,
+        "bootstrap_room": room,
+    }
 
 
 def bootstrap_room(rng: random.Random) -> int:
     return rng.getrandbits(63)
 
 
-def returned_params(data: bytes) -> wire.PrefillReturned:
-    """What P answered in ``kv_transfer_params`` (vllm-standard), or raise ``UpstreamError``.
+def returned_params(data: bytes, prefill: Worker) -> Returned:
+    """What ``prefill`` answered in ``kv_transfer_params`` (vllm-standard), or raise ``UpstreamError``.
 
-    Only our connector's answer (``wire.PrefillReturned``) is accepted: the caller re-encodes it, so D gets
-    the fields the contract names and nothing else P (or whatever answers as P) put there.
+    Two answers are accepted, each parsed into its Struct, which the caller re-encodes, so D gets the fields
+    the contract names and nothing else P (or whatever answers as P) put there: our connector's
+    (``wire.PrefillReturned``) and vLLM's NixlConnector's (``wire.NixlReturned``, told apart by its
+    ``remote_engine_id``, which PDConnector leaves null). D's NixlConnector dials the ``remote_host`` it is
+    given and has no allow-list of its own, so that host must be the prefill worker's (``prefill_host``);
+    its port is P's to choose.
     """
     try:
-        params = wire.parse_params(msgspec.json.decode(data).get(wire.KV_TRANSFER_PARAMS))
+        raw = msgspec.json.decode(data).get(wire.KV_TRANSFER_PARAMS)
     except (msgspec.DecodeError, AttributeError):
         raise UpstreamError("protocol", "prefill answer is not a JSON object") from None
+    if isinstance(raw, dict) and raw.get("remote_engine_id") is not None:
+        return _nixl_returned(raw, prefill)
+    try:
+        params = wire.parse_params(raw)
     except wire.BadParams as e:
         raise UpstreamError("protocol", f"prefill answer: {e}") from None
     if not isinstance(params, wire.PrefillReturned):
         raise UpstreamError("protocol", "prefill answer carries no kv_transfer_params for a remote prefill")
     return params
+
+
+def _nixl_returned(raw: dict[str, Any], prefill: Worker) -> wire.NixlReturned:
+    try:
+        params = msgspec.convert(raw, wire.NixlReturned, strict=True)
+    except msgspec.ValidationError as e:
+        raise UpstreamError("protocol", f"prefill answer (NixlConnector): {e}") from None
+    if _bare(params.remote_host) != _bare(prefill_host(prefill)):
+        raise UpstreamError(
+            "protocol",
+            f"prefill answer (NixlConnector): remote_host is not {prefill.url}'s host {prefill_host(prefill)}",
+        )
+    return params
+
+
+def _bare(host: str) -> str:
+    """A host compared as the URL parser spells it: IPv6 without brackets, lower case."""
+    return host.strip("[]").lower()
+
+
+def returned_id(params: Returned) -> str:
+    """The id the engines know a vllm-standard transfer by: P's request id, in either connector's answer."""
+    return params.pd_transfer_id if isinstance(params, wire.PrefillReturned) else params.remote_request_id

@@ -19,6 +19,7 @@ from router.requests import parse
 from router.tokenize import PromptTokenizer
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import text_of
+from tests.router.test_nixl_answer import nixl_answer
 
 #: What a hostile client sends: hold blocks on D, dial its own listener, pair with its own SGLang room.
 CLIENT: dict[str, Any] = {
@@ -145,7 +146,8 @@ async def test_a_body_without_transfer_fields_reaches_decode_byte_for_byte(make_
 @pytest.mark.parametrize(
     "answer",
     [
-        {"remote_engine_id": "nixl", "remote_block_ids": [0], "do_remote_prefill": True},  # not our connector
+        {"remote_engine_id": "nixl", "remote_block_ids": [0], "do_remote_prefill": True},  # NIXL's, malformed
+        nixl_answer("10.9.9.9"),  # NixlConnector's, naming a host that is not the prefill worker's
         {"do_remote_prefill": True, "pd_transfer_id": "t", "pd_prefill_addr": "not an address"},
         {"do_remote_decode": True},  # asks D to hold its blocks for a remote decode
     ],
