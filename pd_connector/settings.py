@@ -86,12 +86,23 @@ class ConnectorSettings(TransferSettings):
         """Which prefill addresses D may dial, and whether this side may run unauthenticated beyond loopback."""
         return PeerPolicy(bool(self.secret), self.allowed_prefill_addrs, self.allow_insecure)
 
-    def data_plane(self, data_host: str, data_advertise_host: str | None = None) -> TransportConfig:
-        """The transport to build: ``transport``, with the TCP data listener on ``data_host`` (other transport
-        settings keep their defaults)."""
-        return TransportConfig(
-            kind=self.transport, tcp=TcpConfig(host=data_host, advertise_host=data_advertise_host)
+    def data_plane(
+        self,
+        data_host: str,
+        data_advertise_host: str | None = None,
+        data_port: int = 0,
+        data_advertise_port: int | None = None,
+    ) -> TransportConfig:
+        """The transport to build: ``transport``, with the TCP data listener on ``data_host``:``data_port``
+        (0: a free port) and peers told to dial the advertised host and port (other transport settings keep
+        their defaults)."""
+        tcp = TcpConfig(
+            host=data_host,
+            port=data_port,
+            advertise_host=data_advertise_host,
+            advertise_port=data_advertise_port,
         )
+        return TransportConfig(kind=self.transport, tcp=tcp)
 
 
 Settings = TypeVar("Settings", bound=ConnectorSettings)

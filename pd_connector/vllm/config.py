@@ -39,6 +39,11 @@ class PDConnectorConfig(ConnectorSettings):
     #: Address peers use to reach the TCP data listener; default ``data_host``, or this host's default-route
     #: address when that is a wildcard (0.0.0.0).
     data_advertise_host: str = ""
+    #: Port of the TCP data listener of TP rank 0 (rank k listens on it + k); 0: a free port each start.
+    data_port: int = 0
+    #: Port peers dial for the TCP data listener of TP rank 0 (rank k: it + k); 0: the listener's own. Set it
+    #: when something in between forwards another port to the listener (a NAT; the chaos benchmark's proxy).
+    data_advertise_port: int = 0
     #: D: how long a request may wait for its KV before ``kv_load_failure_policy`` applies.
     load_timeout_s: float = 30.0
     #: Both: how the KV cache reaches the transport. "auto": registered as it is where the transport reaches its
@@ -65,8 +70,9 @@ class PDConnectorConfig(ConnectorSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 <= self.side_channel_port <= 65535:
-            raise SettingError("side_channel_port", f"out of range: {self.side_channel_port}")
+        for name in ("side_channel_port", "data_port", "data_advertise_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise SettingError(name, f"out of range: {getattr(self, name)}")
         if self.kv_staging not in ("auto", "always"):
             raise SettingError("kv_staging", f"must be 'auto' or 'always', got {self.kv_staging!r}")
         if self.kv_staging_pool_mib < 0:
@@ -100,5 +106,8 @@ class PDConnectorConfig(ConnectorSettings):
         host = advertised_host(self.side_channel_host, self.side_channel_advertise_host or None)
         return f"[{host}]:{self.side_channel_port}" if ":" in host else f"{host}:{self.side_channel_port}"
 
-    def transport_config(self) -> TransportConfig:
-        return self.data_plane(self.data_host, self.data_advertise_host or None)
+    def transport_config(self, tp_rank: int = 0) -> TransportConfig:
+        """The data plane of TP rank ``tp_rank``: its listener on the configured ports plus the rank."""
+        port = self.data_port + tp_rank if self.data_port else 0
+        advertised = self.data_advertise_port + tp_rank if self.data_advertise_port else None
+        return self.data_plane(self.data_host, self.data_advertise_host or None, port, advertised)

@@ -109,7 +109,7 @@ class WorkerSide:
         per_block = max(1, self._block_size // layout.block_tokens)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._sends = self._producer and sends_heads(layout)
-        transport = create_transport(self._config.transport_config())
+        transport = create_transport(self._config.transport_config(self._tp.rank))
         path = "staged" if self._config.kv_staging == "always" else plan(kv.memory, transport.memory_types)
         staging: StagingPool | None = None  # a device cache behind a host-only transport
         if path == "staged":

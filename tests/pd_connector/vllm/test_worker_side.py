@@ -179,6 +179,18 @@ def test_layout_check_and_config_validation() -> None:
     assert PDConnectorConfig.from_extra_config({"transport": "cma"}).transport_config().kind == "cma"
 
 
+def test_the_data_listener_port_and_the_port_peers_dial_follow_the_tp_rank() -> None:
+    """``data_port`` / ``data_advertise_port`` (a proxy or a NAT in front of D's listener): rank k gets each
+    plus k; unset, the listener picks a free port and advertises its own."""
+    config = PDConnectorConfig.from_extra_config({"data_port": 7100, "data_advertise_port": 7200})
+    tcp = config.transport_config(tp_rank=1).tcp
+    assert (tcp.port, tcp.advertise_port) == (7101, 7201)
+    tcp = PDConnectorConfig.from_extra_config({}).transport_config(tp_rank=1).tcp
+    assert (tcp.port, tcp.advertise_port) == (0, None)
+    with pytest.raises(ValueError, match="data_advertise_port"):
+        PDConnectorConfig.from_extra_config({"data_advertise_port": 70000})
+
+
 def test_each_side_traces_its_stages_in_order_under_its_request_id(
     make_pair: Callable[..., Pair], tmp_path: Path
 ) -> None:
