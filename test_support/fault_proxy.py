@@ -13,6 +13,8 @@ I/O thread (``pd_connector.transport.loop_thread.LoopThread``), so synchronous t
     with FaultProxy(("127.0.0.1", port), Schedule.fixed({0: Fault("reset", after_bytes=4096)})) as proxy:
         dial(proxy.address)         # the first connection is reset after 4 KiB toward the target
     proxy.reset_connections()   # or: reset every connection relayed now, at a moment the caller picks
+    proxy.stall_connections(6)  # relay nothing for 6 s from now (held, not dropped)
+    proxy.delay_connections(5, 0.05)  # for 5 s from now, every chunk waits 50 ms
     proxy.injected              # Counter of the faults that struck, by kind
 
 A ``Fault`` strikes one connection once ``after_bytes`` bytes went through it in its ``direction``:
@@ -133,13 +135,20 @@ class FaultProxy:
         schedule: Schedule | None = None,
         listen_host: str = "127.0.0.1",
         seed: int = 0,
+        listen_port: int = 0,
     ) -> None:
         _loopback(target[0], "target")
         _loopback(listen_host, "listen host")
         self.target = target
         self.schedule = schedule or Schedule.none()
         self._listen_host = listen_host
+        self._listen_port = listen_port  # 0: an ephemeral one
         self._seed = seed
+        # Loop times until which every connection relays nothing / delays each chunk by _delay_s
+        # (stall_connections, delay_connections); read and written on the I/O thread only.
+        self._stalled_until = 0.0
+        self._delayed_until = 0.0
+        self._delay_s = 0.0
         self._io: LoopThread | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -155,11 +164,14 @@ class FaultProxy:
 
     # ---- caller's thread ----------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 5.0) -> str:
-        """Listen on an ephemeral loopback port; returns ``host:port`` to dial instead of the target."""
+        """Listen on ``listen_port`` (default: an ephemeral loopback port; a fixed one when a peer must be told
+        it before the proxy starts); returns ``host:port`` to dial instead of the target."""
         if self._io is not None:
             raise RuntimeError("FaultProxy already started")
         self._io = LoopThread("fault-proxy")
-        self._server = self._io.run(asyncio.start_server(self._accept, self._listen_host, 0), timeout_s)
+        self._server = self._io.run(
+            asyncio.start_server(self._accept, self._listen_host, self._listen_port), timeout_s
+        )
         host, port = self._server.sockets[0].getsockname()[:2]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return self.address
@@ -191,6 +203,25 @@ class FaultProxy:
             raise RuntimeError("FaultProxy is not running")
         return self._io.run(self._reset_all(), timeout_s)
 
+    def stall_connections(self, seconds: float, timeout_s: float = 5.0) -> int:
+        """Relay nothing, either way and on any connection, for ``seconds`` from now (a path that stops
+        moving bytes, at a moment the caller picks): bytes are held, not dropped, and relayed in order after.
+        Counted as ``stall`` once per connection relayed now; returns how many."""
+        return self._hold("stall", seconds, 0.0, timeout_s)
+
+    def delay_connections(self, seconds: float, per_chunk_s: float, timeout_s: float = 5.0) -> int:
+        """For ``seconds`` from now, every chunk relayed (either way, any connection) waits ``per_chunk_s``
+        first (added latency, at a moment the caller picks). Counted as ``delay`` once per connection relayed
+        now; returns how many."""
+        return self._hold("delay", seconds, per_chunk_s, timeout_s)
+
+    def _hold(self, kind: FaultKind, seconds: float, per_chunk_s: float, timeout_s: float) -> int:
+        if self._io is None:
+            raise RuntimeError("FaultProxy is not running")
+        if seconds <= 0 or per_chunk_s < 0 or (kind == "delay" and per_chunk_s <= 0):
+            raise ValueError(f"{kind}: seconds must be > 0 and per_chunk_s > 0 for a delay")
+        return self._io.run(self._hold_all(kind, seconds, per_chunk_s), timeout_s)
+
     def __enter__(self) -> FaultProxy:
         self.start()
         return self
@@ -220,6 +251,15 @@ class FaultProxy:
                 _reset(end)
         self.injected["reset"] += len(pairs)
         return len(pairs)
+
+    async def _hold_all(self, kind: FaultKind, seconds: float, per_chunk_s: float) -> int:
+        until = asyncio.get_running_loop().time() + seconds
+        if kind == "stall":
+            self._stalled_until = max(self._stalled_until, until)
+        else:
+            self._delayed_until, self._delay_s = until, per_chunk_s
+        self.injected[kind] += len(self._pairs)
+        return len(self._pairs)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = self.accepted
@@ -296,6 +336,11 @@ class FaultProxy:
 
     async def _relay(self, dst: asyncio.StreamWriter, data: bytes, direction: Direction) -> None:
         if data:
+            loop = asyncio.get_running_loop()
+            if (held := self._stalled_until - loop.time()) > 0:
+                await asyncio.sleep(held)  # the fault itself: stall_connections
+            if loop.time() < self._delayed_until:
+                await asyncio.sleep(self._delay_s)  # the fault itself: delay_connections
             dst.write(data)
             await dst.drain()
             self.relayed[direction] += len(data)

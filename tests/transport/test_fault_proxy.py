@@ -1,5 +1,6 @@
 """``test_support.fault_proxy``: bytes relayed exactly when no fault is scheduled, and each fault kind (delay,
-stall, reset, garbage) happens where the schedule puts it; seeded schedules repeat; loopback only."""
+stall, reset, garbage) happens where the schedule puts it; stalls and delays of the connections open now, at
+a moment the caller picks, hold bytes without losing any; seeded schedules repeat; loopback only."""
 
 from __future__ import annotations
 
@@ -94,6 +95,47 @@ def test_a_stall_pauses_then_resumes_exactly(echo: tuple[str, int]) -> None:
         assert time.monotonic() - start >= 0.5
         assert error is None and got == PAYLOAD
     assert proxy.injected == {"stall": 1}
+
+
+def _echoed(sock: socket.socket, payload: bytes) -> float:
+    """Send ``payload`` on an open connection and read it back; seconds it took."""
+    start = time.monotonic()
+    sock.sendall(payload)
+    got = bytearray()
+    while len(got) < len(payload):
+        got += sock.recv(65536)
+    assert got == payload
+    return time.monotonic() - start
+
+
+def test_stalling_the_open_connections_holds_their_bytes_then_relays_them_in_order(
+    echo: tuple[str, int],
+) -> None:
+    with FaultProxy(echo) as proxy, socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        assert _echoed(sock, b"up") < 0.5  # the connection is relayed before the stall
+        assert proxy.stall_connections(0.6) == 1
+        assert _echoed(sock, PAYLOAD) >= 0.55
+    assert proxy.injected == {"stall": 1}
+
+
+def test_delaying_the_open_connections_slows_each_chunk_both_ways_and_keeps_the_bytes(
+    echo: tuple[str, int],
+) -> None:
+    with FaultProxy(echo) as proxy, socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        _echoed(sock, b"up")
+        assert proxy.delay_connections(30.0, 0.2) == 1
+        assert _echoed(sock, b"ping") >= 0.4  # 0.2 s toward the target and 0.2 s back
+        with pytest.raises(ValueError, match="per_chunk_s"):
+            proxy.delay_connections(1.0, 0.0)
+    assert proxy.injected == {"delay": 1}
+
+
+def test_a_fixed_listen_port_is_used(echo: tuple[str, int]) -> None:
+    with socket.socket() as s:  # a free port, told before the proxy starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with FaultProxy(echo, listen_port=port) as proxy:
+        assert proxy.port == port and round_trip(port, b"hi") == (b"hi", None)
 
 
 def test_a_reset_cuts_the_connection_at_its_byte(echo: tuple[str, int]) -> None:
