@@ -13,9 +13,10 @@ what the system is about (same model and dtype); one engine is pinned to core 0,
 - ``pd``: P (PDConnector producer, core 0) and D (consumer, core 1), pd-router's ``pd-push`` flow with the
   threshold policy (prompts shorter than its ``threshold_tokens`` are served by D alone);
 - ``nixl``: P and D with vLLM's NixlConnector (``kv_buffer_device: cpu``), pd-router's ``vllm-standard``
-  flow (P with ``max_tokens`` 1, then D is meant to pull the KV), the same threshold policy. It does not
-  measure NIXL today: that flow accepts only PDConnector's answer from P (docs/router.md), so D prefills
-  every prompt itself; the run's KV check reports "no KV moved" (docs/performance.md ``## goodput``).
+  flow (P with ``max_tokens`` 1, then D pulls the prompt's KV from the blocks P's answer names), the same
+  threshold policy and D's ``kv_load_failure_policy`` as ``pd``. P advertises its side channel on the host
+  pd-router knows it by (``VLLM_NIXL_SIDE_CHANNEL_HOST``): pd-router refuses a NIXL answer naming any other
+  host (docs/router.md ``## P/D legs``), and vLLM's default, ``localhost``, is not ``127.0.0.1``.
 """
 
 from __future__ import annotations
@@ -170,10 +171,16 @@ def build(
             engine(
                 role,
                 core,
-                {**nixl, "kv_role": kv_role},
-                env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                {**nixl, **kv},
+                env={
+                    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                },
             )
-            for role, core, kv_role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
+            for role, core, kv in (
+                ("prefill", 0, {"kv_role": "kv_producer"}),
+                ("decode", 1, {"kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}),
+            )
         )
         config = {
             "flow": "vllm-standard",
