@@ -93,7 +93,8 @@ class RouterState:
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
         count = functools.partial(self._count_kv_events, worker.url)
-        sub = KvEventsSubscriber(worker.cfg.kv_events, WorkerEvents(index, worker), count, self._zmq)
+        events = WorkerEvents(index, worker, worker.cfg.engine)
+        sub = KvEventsSubscriber(worker.cfg.kv_events, events, count, self._zmq)
         sub.start()
         self.kv_events[worker] = sub
 

@@ -104,7 +104,8 @@ class KvRoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     # Off: D by power of two choices, P by least outstanding tokens, the policy on whole prompts.
     enabled: bool = True
-    # The engines' KV block size (vLLM: --block-size; 16 on GPU, 128 by default on CPU).
+    # The router's block, in tokens: vLLM's --block-size (16 on GPU, 128 by default on CPU); any for SGLang,
+    # which caches whole pages (1 token by default).
     block_size: int = 16
     # Blocks remembered per worker, least recently routed dropped first (~130 bytes each).
     max_blocks_per_worker: int = 65536
@@ -162,8 +163,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     bootstrap_port: int = 0
     # Sent upstream as ``Authorization: Bearer``; never logged.
     api_key: Secret = Secret("")
-    # ZMQ endpoint of the engine's KV event publisher (vLLM ``--kv-events-config``), "" = none (KV-aware
-    # routing then knows this worker's cache from the routing history alone).
+    # ZMQ endpoint of the engine's KV event publisher (``--kv-events-config`` of vLLM or SGLang: ``engine``
+    # picks the format), "" = none (KV-aware routing then knows this worker's cache from the routing history
+    # alone).
     kv_events: str = ""
     # The roles the engine can serve; empty: only the pool it is listed in. Both (``["prefill", "decode"]``,
     # a vLLM engine started with ``kv_role`` ``kv_both``) lets the admin API switch it at run time: the router

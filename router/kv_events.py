@@ -1,22 +1,27 @@
-"""vLLM's KV cache events as the source of a worker's entry in the prefix index, where the engine publishes them.
+"""Engines' KV cache events as a source of a worker's entry in the prefix index, where the engine publishes them.
 
-A vLLM server started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557"}'`` publishes, after each engine step, a batch of events on a ZMQ PUB socket: a
-multipart message ``(topic, 8-byte big-endian sequence number, msgpack payload)`` whose payload is an
-``EventBatch`` (an array ``[ts, events, data_parallel_rank]``) of tagged maps: ``BlockStored`` (the hashes of
-full blocks now cached, their parent's hash and their token ids), ``BlockRemoved`` (hashes evicted) and
-``AllBlocksCleared`` (vllm/distributed/kv_events.py). The Structs below decode that format (the router does
-not import vLLM); fields they do not name are ignored.
+A worker whose ``kv_events`` endpoint is configured gets one ``KvEventsSubscriber`` in the router's event loop
+(started and stopped by ``app.RouterState``), decoding with its engine's module (``kv_events_vllm``,
+``kv_events_sglang``: the worker's ``engine`` decides) into the engine-neutral events of
+``kv_events_common``, which ``WorkerEvents`` applies to the index.
 
-One ``KvEventsSubscriber`` per worker whose ``kv_events`` endpoint is configured runs in the router's event
-loop (started and stopped by ``app.RouterState``). The engine's block hashes are its own (sha256 or xxhash
-with a per-process seed); the router re-derives its own chained hash from each stored block's token ids and
-its parent's router hash, and keeps the engine-to-router map to apply removals. A block stored by the engine
-gets the very hash the routing history gives the same tokens, so both sources feed one view: the history
-records a prompt at once (before the engine has even run it), the events add what the history cannot know (the
-answers' blocks) and take out what the engine evicted, whichever source put it there. A gap in the sequence
-numbers (messages dropped at ZMQ's high-water mark, a restarted engine) may have lost removals: that worker's
-view is cleared and rebuilt from then on.
+The engines' block hashes are their own (vLLM: sha256 or xxhash with a per-process seed; SGLang: a chained
+SHA-256 over its pages) and their blocks need not be the router's (SGLang's pages are 1 token on CPU; a
+vLLM may run another block size than ``kv_routing.block_size``). So the router re-derives its own chained
+hashes from the token ids: it follows each engine block's place in the token stream (the router hash of
+the last whole router block before its end, and the tokens after it) and names a router block when the
+engine block holding its last token is stored; it keeps this per engine block, to continue from it as a
+parent and to take out the router blocks it completed when the engine evicts it. A block stored by the
+engine so gets the very hash the routing history gives the same tokens, and both sources feed one view: the
+history records a prompt at once (before the engine has even run it), the events add what the history
+cannot know (the answers' blocks, prompts other routers sent) and take out what the engine evicted,
+whichever source put it there. A gap in the sequence numbers (messages dropped at ZMQ's high-water mark, a
+restarted engine) may have lost removals: that worker's view is cleared and rebuilt from then on.
+
+The per-worker map holds one entry per engine block the engine caches, so its size follows the engine's
+cache, which the engine's own evictions bound. Measured here (2026-12-02, 512-token events, router blocks of
+16): SGLang's 1-token pages cost ~170 bytes and ~1 us (decoding included) per cached token; 16-token blocks
+~24 bytes and ~0.1 us per token.
 """
 
 from __future__ import annotations
@@ -24,70 +29,54 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+from array import array
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from router import kv_events_sglang, kv_events_vllm
+from router.kv_events_common import BlockHash, Cleared, Event, Removed, Stored
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger("router.kv_events")
 
-BlockHash = int | bytes
+Decode = Callable[[bytes], list[Event]]
+#: Each engine's event decoder, by ``WorkerConfig.engine``.
+DECODERS: Mapping[str, Decode] = {"vllm": kv_events_vllm.decode, "sglang": kv_events_sglang.decode}
 
 
-class BlockStored(msgspec.Struct, tag=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    # A LoRA's blocks are another model's cache: the router routes base-model prompts, so they are skipped.
-    lora_id: int | None = None
-    lora_name: str | None = None
-    # Blocks keyed by more than their tokens (multimodal inputs, cache salt): their tokens alone do not name them.
-    extra_keys: list[Any] | None = None
-    medium: str | None = None
+class _Run(NamedTuple):
+    """One stored event's engine blocks on the router's block grid. Each engine block is kept as ``(run, i)``
+    (a pair per engine block: with SGLang's 1-token pages there is one per cached token), and its place is
+    computed from the run when it is needed: as a parent, or evicted."""
 
-
-class BlockRemoved(msgspec.Struct, tag=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True):
-    pass
-
-
-class EventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    # Each event decoded on its own (``_event``), so an event kind this router does not know (a newer vLLM's)
-    # is skipped, not the batch.
-    events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-_batch = msgspec.msgpack.Decoder(EventBatch)
-_event = msgspec.msgpack.Decoder(Event)
+    base: int  # router hash of the last whole router block before the run (the index's root at the start)
+    # The tokens after that block: the parent's partial block, then the event's (empty when every engine
+    # block ends on the router's grid: no block has a tail to continue from).
+    tokens: array[int]
+    start: int  # how many of ``tokens`` are the parent's
+    size: int  # tokens per engine block
+    blocks: tuple[int, ...]  # router hashes of the whole router blocks in ``tokens``, in order
 
 
 class WorkerEvents:
     """Applies one worker's event batches to the index (pure: no sockets, so tests drive it directly)."""
 
-    def __init__(self, index: PrefixIndex, worker: Any) -> None:
+    def __init__(self, index: PrefixIndex, worker: Any, engine: str = "vllm") -> None:
         self._index = index
         self._worker = worker
-        self._router_hash: dict[BlockHash, int] = {}  # engine block hash -> the router's
+        self._decode = DECODERS[engine]
+        self._places: dict[BlockHash, tuple[_Run, int]] = {}  # engine block hash -> (its run, index)
         self._next_seq: int | None = None
-        self._warned_size = False
 
     def apply(self, seq: int, payload: bytes) -> str:
         """Apply one message; returns what it was: ``batch``, ``gap`` (applied after clearing the view) or
         ``undecodable`` (ignored)."""
         try:
-            batch = _batch.decode(payload)
+            events = self._decode(payload)
         except msgspec.DecodeError as e:
             log.warning("undecodable KV event batch from %s: %s", self._worker, e)
             return "undecodable"
@@ -96,57 +85,62 @@ class WorkerEvents:
             self.clear()
             result = "gap"
         self._next_seq = seq + 1
-        for raw in batch.events:
-            try:
-                event = _event.decode(raw)
-            except msgspec.DecodeError:
-                continue  # an event kind (or shape) this router does not know
-            if isinstance(event, BlockStored):
+        for event in events:
+            if isinstance(event, Stored):
                 self._stored(event)
-            elif isinstance(event, BlockRemoved):
+            elif isinstance(event, Removed):
                 for h in event.block_hashes:
-                    ours = self._router_hash.pop(h, None)
-                    if ours is not None:
+                    place = self._places.pop(h, None)
+                    for ours in self._completed(*place) if place is not None else ():
                         self._index.remove(self._worker, ours)
-            elif isinstance(event, AllBlocksCleared):
+            elif isinstance(event, Cleared):
                 self.clear()
         return result
 
-    def _stored(self, event: BlockStored) -> None:
-        if event.lora_id is not None or event.lora_name is not None or event.medium not in (None, "GPU"):
+    def _stored(self, event: Stored) -> None:
+        size, n = event.block_size, len(event.block_hashes)
+        if size <= 0 or len(event.token_ids) != size * n:
             return
-        if event.extra_keys and any(k is not None for k in event.extra_keys):
-            return
-        size = self._index.block_size
-        if event.block_size != size:
-            if not self._warned_size:  # once per worker: every batch of such a worker would say it again
-                self._warned_size = True
-                log.warning(
-                    "KV events of %s are ignored: its blocks hold %d tokens, kv_routing.block_size is %d "
-                    "(set it to the engines' block size)",
-                    self._worker,
-                    event.block_size,
-                    size,
-                )
-            return  # the chains would not line up
-        if len(event.token_ids) != size * len(event.block_hashes):
-            return
-        if event.parent_block_hash is None:
-            parent = self._index.root
+        tail: tuple[int, ...] = ()
+        if event.parent is None:
+            base = self._index.root
         else:
-            found = self._router_hash.get(event.parent_block_hash)
+            found = self._places.get(event.parent)
             if found is None:
                 return  # its parent was stored before we subscribed: this chain cannot be named
-            parent = found
-        chain = []
-        for i, engine_hash in enumerate(event.block_hashes):
-            parent = hash((parent, *event.token_ids[i * size : (i + 1) * size]))
-            self._router_hash[engine_hash] = parent
-            chain.append(parent)
-        self._index.record(self._worker, chain)
+            base, tail = self._end(*found)
+        ours = self._index.block_size
+        stream = (*tail, *event.token_ids)
+        blocks = []
+        parent = base
+        for k in range(len(stream) // ours):
+            parent = hash((parent, *stream[k * ours : (k + 1) * ours]))
+            blocks.append(parent)
+        # Kept for the blocks' tails: none when every block ends on the router's grid (vLLM, same block size).
+        on_grid = not tail and size % ours == 0
+        try:
+            tokens = array("q", () if on_grid else stream)
+        except OverflowError:
+            return  # not token ids
+        run = _Run(base, tokens, len(tail), size, tuple(blocks))
+        self._places.update(zip(event.block_hashes, [(run, i) for i in range(n)], strict=True))
+        self._index.record(self._worker, blocks)
+
+    def _end(self, run: _Run, i: int) -> tuple[int, tuple[int, ...]]:
+        """Where engine block ``i`` of ``run`` ends: the router hash of the last whole router block up to its
+        end, and the tokens after that block."""
+        end = run.start + (i + 1) * run.size
+        whole = end // self._index.block_size
+        base = run.blocks[whole - 1] if whole else run.base
+        return base, tuple(run.tokens[whole * self._index.block_size : end])
+
+    def _completed(self, run: _Run, i: int) -> tuple[int, ...]:
+        """The router blocks whose last token is in engine block ``i`` of ``run``."""
+        ours = self._index.block_size
+        return run.blocks[(run.start + i * run.size) // ours : (run.start + (i + 1) * run.size) // ours]
 
     def clear(self) -> None:
-        self._router_hash.clear()
+        self._places.clear()
         self._index.forget(self._worker)
 
 

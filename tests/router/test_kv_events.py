@@ -4,12 +4,10 @@ started with ``--kv-events-config`` runs) against the router's subscriber, and t
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from pathlib import Path
 
 import msgspec
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -38,7 +36,7 @@ def _stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], **extr
     )
 
 
-#: Blocks of 8 tokens from an engine whose block size is not the router's (``BLOCK``).
+#: A block of 8 tokens from an engine whose block size is not the router's (``BLOCK``).
 _OTHER_SIZE = BlockStored(
     block_hashes=[b"x5"],
     parent_block_hash=None,
@@ -126,7 +124,7 @@ def test_blocks_the_router_cannot_name_are_skipped() -> None:
         _stored([b"x2"], None, B, lora_id=1, lora_name="adapter"),  # another model's cache
         _stored([b"x3"], None, B, medium="CPU"),  # an offloading tier
         _stored([b"x4"], None, B, extra_keys=[("mm", "image-hash", 0)]),  # keyed by more than tokens
-        _OTHER_SIZE,  # another block size than the router's
+        _stored([b"x6"], None, A),  # a block size (4) the token ids (8) do not fill
     ]
     for seq, event in enumerate(skipped):
         assert events.apply(seq, _payload(event)) == "batch"
@@ -137,16 +135,23 @@ def test_blocks_the_router_cannot_name_are_skipped() -> None:
     )
 
 
-def test_another_block_size_is_said_once_per_worker(caplog: pytest.LogCaptureFixture) -> None:
-    """A worker whose engine runs another block size than ``kv_routing.block_size`` would silently never
-    count as holding anything: the log says why, and what to set, once."""
+def test_an_engine_of_another_block_size_is_regrouped_into_the_routers_blocks() -> None:
+    """vLLM blocks of 8 tokens under a router of 4: each names two router blocks, the hashes the history gives
+    the same tokens, and its eviction takes both out."""
     index = PrefixIndex(BLOCK, 1000, random.Random(0))
     events = WorkerEvents(index, "d0")
-    with caplog.at_level(logging.WARNING, logger="router.kv_events"):
-        for seq in range(3):
-            events.apply(seq, _payload(_OTHER_SIZE))
-    (warning,) = [r.getMessage() for r in caplog.records]
-    assert "blocks hold 8 tokens, kv_routing.block_size is 4" in warning and "d0" in warning
+    assert events.apply(0, _payload(_OTHER_SIZE)) == "batch"
+    assert index.match("d0", index.hashes(A)) == 2 and index.blocks() == 2
+    assert events.apply(1, _payload(BlockRemoved(block_hashes=[b"x5"], medium="GPU"))) == "batch"
+    assert index.blocks() == 0
+
+
+def test_an_offloading_tiers_removal_leaves_the_device_copy() -> None:
+    index = PrefixIndex(BLOCK, 1000, random.Random(0))
+    events = WorkerEvents(index, "d0")
+    events.apply(0, _payload(_stored([b"e1", b"e2"], None, A)))
+    events.apply(1, _payload(BlockRemoved(block_hashes=[b"e2"], medium="CPU")))
+    assert index.match("d0", index.hashes(A)) == 2
 
 
 def test_a_sequence_gap_clears_the_view_and_garbage_is_ignored() -> None:
