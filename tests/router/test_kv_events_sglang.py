@@ -8,17 +8,23 @@ the token ids, so what the events say SGLang stored must match the hashes the ro
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
+from pd_disagg.servers import free_port
 from router import kv_events_sglang
+from router.app import RouterState
+from router.config import parse_config
 from router.kv_events import WorkerEvents
 from router.kv_events_common import Cleared, Event, Removed, Stored
 from router.prefix_index import PrefixIndex
+from tests.polling import wait_until_async
 
 CAPTURE = Path(__file__).parent / "data" / "sglang_kv_events.msgpack"
 
@@ -140,3 +146,52 @@ def test_blocks_a_plain_prompt_cannot_reach_are_skipped() -> None:
     # the host tier dropping its copy leaves the device's
     events.apply(2, _batch({"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU_PINNED"}))
     assert index.match("p0", index.hashes(tokens)) == 2
+
+
+async def test_a_router_follows_an_sglang_workers_events_with_sglangs_decoder(
+    capture: Capture, tokenizer_dir: Path
+) -> None:
+    """An SGLang prefill worker with ``kv_events`` set is followed with SGLang's decoder: the batch that
+    stored A, as SGLang published it, puts A in the router's view of that worker."""
+    a = capture.prompts["A"]
+    stored_a = _first(capture, lambda e: isinstance(e, Stored) and list(e.token_ids) == a)
+    topic, seq, payload = capture.messages[stored_a]
+    port = free_port()
+    ctx = zmq.Context()
+    publisher = ctx.socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    cfg = parse_config(
+        {
+            "flow": "sglang-bootstrap",
+            "model": {"path": "m", "tokenizer": str(tokenizer_dir)},
+            "policy": {"threshold_tokens": 0},
+            "prefill": [
+                {
+                    "url": f"http://127.0.0.1:{free_port()}",
+                    "engine": "sglang",
+                    "bootstrap_port": free_port(),
+                    "kv_events": f"tcp://127.0.0.1:{port}",
+                }
+            ],
+            "decode": [{"url": f"http://127.0.0.1:{free_port()}", "engine": "sglang"}],
+            "kv_routing": {"block_size": 16},
+        }
+    )
+    state = RouterState(cfg, random.Random(0))
+    await state.start()
+    index, (p0,) = state.balancer.prefixes, state.balancer.prefill.workers
+    assert index is not None
+    try:
+
+        async def stored() -> bool:
+            # a SUB socket misses what is published before its subscription reaches the publisher: repeat
+            # (each repeat has the same sequence number: a gap, so the view is cleared and A stored again)
+            publisher.send_multipart([topic, seq, payload])
+            await asyncio.sleep(0)
+            return index.match(p0, index.hashes(a)) == len(a) // 16
+
+        await wait_until_async(stored, 10, "A stored in the view of the SGLang worker")
+    finally:
+        await state.close()
+        publisher.close(linger=0)
+        ctx.term()
