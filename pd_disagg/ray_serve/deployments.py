@@ -33,6 +33,7 @@ from pd_disagg.engines import router_server
 from pd_disagg.ray_serve.app_config import AppArgs
 from pd_disagg.ray_serve.engine_command import engine_argv, kv_transfer_config, side_channel_port
 from pd_disagg.ray_serve.router_config import worker, write
+from pd_disagg.ray_serve.serve_policy import ENGINE_REQUESTS, engine_requests
 from pd_disagg.servers import ManagedServer, free_port
 
 log = logging.getLogger("ray.serve")
@@ -89,6 +90,7 @@ class EngineReplica:
         )
         kv_config = kv_transfer_config(role, parsed, node_ip, side_port) if role == "prefill" else None
         self._entry = worker(url, kv_config)
+        self._metrics_url = f"{url}/metrics"
         self._router = serve.get_deployment_handle(ROUTER, app_name=context.app_name)
         await _start_healthy(self._server, getattr(parsed, role).start_timeout_s)
         await self._register()
@@ -104,6 +106,15 @@ class EngineReplica:
             await asyncio.wait_for(call(), CALL_TIMEOUT_S)
         except Exception as e:
             log.warning("could not register %s with %s: %r", self._entry["url"], ROUTER, e)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (called only with an ``autoscaling_config``): the requests inside
+        the engine, which Serve's handles never see (``serve_policy``)."""
+        timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(self._metrics_url) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{self._server.name} /metrics: {resp.status}")
+            return {ENGINE_REQUESTS: engine_requests(await resp.text())}
 
     async def check_health(self) -> None:
         """Fail (Serve replaces the replica) when the engine exited; else make sure the router knows it."""
