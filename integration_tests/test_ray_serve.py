@@ -26,34 +26,12 @@ import yaml
 
 from integration_tests.conftest import ROOT
 from integration_tests.pd_checks import Transfers, blocks_to_load, metric
-from pd_disagg.servers import ManagedServer, free_port, process_group_members
+from pd_disagg.servers import ManagedServer, descendants, free_port, process_group_members
 from tests.polling import wait_until
 
 CONFIG = ROOT / "examples" / "ray_serve.yaml"
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 300.0
-
-
-def _children() -> dict[int, list[int]]:
-    """Live processes by parent PID, from /proc."""
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
-                    tree.setdefault(int(fields[1]), []).append(int(entry))
-    return tree
-
-
-def _descendants(pid: int) -> set[int]:
-    tree, found, todo = _children(), set(), [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -165,7 +143,7 @@ def test_shipped_ray_serve_app_disaggregates_and_dies_with_its_cluster(
             serve_run.kill(signal.SIGKILL)
             serve_run.stop()
             if head.proc is not None:
-                ray_processes = (_descendants(head.pid) | {head.pid}) - engines
+                ray_processes = (descendants(head.pid) | {head.pid}) - engines
             head.kill(signal.SIGKILL)
             for pid in _alive(ray_processes):
                 with contextlib.suppress(OSError):

@@ -58,9 +58,8 @@ def free_ports(n: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
     raise RuntimeError(f"no {n} consecutive free ports on {host} after {attempts} attempts")
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """PIDs of live (non-zombie) processes in process group ``pgid``: how tests prove nothing was left behind."""
-    members = []
+def _live_processes() -> Iterator[tuple[int, list[str]]]:
+    """(PID, the fields of /proc/PID/stat after the command name) of every live (non-zombie) process."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -69,9 +68,29 @@ def process_group_members(pgid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
+        if fields[0] != "Z":
+            yield int(entry), fields
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes in process group ``pgid``: how tests prove nothing was left behind."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
+
+
+def descendants(pid: int) -> set[int]:
+    """PIDs of the live (non-zombie) processes descended from ``pid``, by parent links in /proc: what a test
+    or benchmark started through a process that does not keep its children in one group (a Ray cluster's
+    workers, and the engines under them)."""
+    tree: dict[int, list[int]] = {}
+    for child, fields in _live_processes():
+        tree.setdefault(int(fields[1]), []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def process_group_cpu_seconds(pgid: int) -> float:

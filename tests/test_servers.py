@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from pd_disagg.servers import (
     ManagedServer,
     ServerStartError,
+    descendants,
     free_port,
     process_group_cpu_seconds,
     process_group_members,
@@ -48,6 +51,26 @@ def test_running_waits_for_health_and_stops_the_group(tmp_path: Path) -> None:
         pgid = server.pid
         assert len(process_group_members(pgid)) >= 2
     assert process_group_members(pgid) == []  # stop() returns only once the group is gone
+
+
+def test_descendants_follow_parent_links_across_process_groups() -> None:
+    """A grandchild in a session of its own (as Ray's workers and the engines under them) is found; once
+    killed and reaped, neither is."""
+    code = (
+        "import subprocess, sys; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "print(c.pid, flush=True); c.wait()"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        grandchild = int(parent.stdout.readline())
+        assert {parent.pid, grandchild} <= descendants(os.getpid())
+        assert descendants(parent.pid) == {grandchild}
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+        parent.wait(timeout=20)
+    assert parent.pid not in descendants(os.getpid()) and grandchild not in descendants(os.getpid())
 
 
 def test_exit_before_health_raises_with_log(tmp_path: Path) -> None:
