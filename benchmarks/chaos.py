@@ -4,8 +4,9 @@ a seeded timeline while a bounded load runs, and accounts for every request, eve
 Phases (``--phases``, default ``vllm``; ``vllm,sglang`` runs both, one after the other, never both clusters at
 once: six engines do not fit in 24 GiB beside the load), all on this machine, loopback only, every process
 started and stopped here (``benchmarks.chaos_cluster`` says how each is configured):
-- ``vllm``: ``--prefills`` P and ``--decodes`` D vLLM servers with PDConnector, each P's side channel behind a
-  seeded ``test_support.fault_proxy.FaultProxy`` (its new connections get delays and stalls), pd-router
+- ``vllm``: ``--prefills`` P and ``--decodes`` D vLLM servers with PDConnector, each P's side channel (control
+  connections) and each D's tcp data listener (data connections) behind a seeded
+  ``test_support.fault_proxy.FaultProxy`` (new connections get delays, stalls and resets), pd-router
   (``pd-push``). Known answers from the first P alone (colocated, no transfer: a D that computed a prompt
   holds it in its prefix cache and would load nothing for it later, while P pushes a cached prompt whole).
 - ``sglang``: one SGLang P/D pair with our ``pd`` transfer backend behind pd-router (``sglang-bootstrap``).
@@ -17,8 +18,9 @@ started and stopped here (``benchmarks.chaos_cluster`` says how each is configur
 - Faults, each at a seeded point of the load's progress: ``kill_prefill``/``kill_decode`` (SIGKILL of the
   process group, restart on the same ports), ``stop_short``/``stop_long`` (SIGSTOP of an engine for less than
   its heartbeat timeout / more than its lease, then SIGCONT), ``garbage`` (random bytes into a P's side
-  channel), ``proxy_reset`` (vLLM only: every connection through a P's proxy reset, D redials),
-  ``router_restart``.
+  channel), ``proxy_delay``/``proxy_stall``/``proxy_reset`` (vLLM only: every control and data connection
+  open at that moment, through every proxy, slowed by ``PROXY_DELAY`` per chunk for a while / held for
+  ``PROXY_STALL_S``, longer than the heartbeat timeout / reset, and the peers redial), ``router_restart``.
 - Per request: ``ok`` (the known answer), ``failed_clean`` (an HTTP error, a dropped connection or a stream
   that ended with an error, its answer so far a prefix of the known one; a refused connection, while the
   router restarts, is retried as a client would, within the deadline), ``wrong_tokens`` (a 200, or an answer
@@ -87,17 +89,25 @@ FAULT_KINDS = (
     "stop_long",
     "client_disconnect",
     "garbage",
+    "proxy_delay",
+    "proxy_stall",
     "proxy_reset",
     "router_restart",
 )
 #: The kinds each phase injects: SGLang's D dials P's side channel at the address P's bootstrap server gives,
-#: which no proxy can stand in for.
+#: and P its data port at the address D gives, which no proxy can stand in for.
 PHASE_FAULTS: dict[str, tuple[str, ...]] = {
     "vllm": FAULT_KINDS,
-    "sglang": tuple(k for k in FAULT_KINDS if k != "proxy_reset"),
+    "sglang": tuple(k for k in FAULT_KINDS if not k.startswith("proxy_")),
 }
+#: The kinds that take an engine down (while it is killed and restarting, or stopped).
+DOWN = ("kill_prefill", "kill_decode", "stop_short", "stop_long")
 #: How long an engine stays stopped (seconds): shorter than the heartbeat timeout, and longer than the lease.
 STOPS = {"stop_short": TIMERS["heartbeat_timeout_s"] / 2, "stop_long": TIMERS["lease_s"] + 2}
+#: proxy_delay: for this long (seconds), every chunk relayed waits this long first.
+PROXY_DELAY = {"seconds": 10.0, "per_chunk_s": 0.05}
+#: proxy_stall: how long nothing is relayed (seconds): past the heartbeat timeout, so the links are lost.
+PROXY_STALL_S = TIMERS["heartbeat_timeout_s"] * 2
 #: The configured timeouts that bound each kind's recovery (the names of ``timeouts(engine)``' entries).
 BOUNDS = {
     "kill_prefill": ("heartbeat_timeout_s", "waiting_timeout_s"),
@@ -105,6 +115,8 @@ BOUNDS = {
     "stop_short": ("heartbeat_timeout_s",),
     "stop_long": ("heartbeat_timeout_s", "lease_s", "load_timeout_s", "waiting_timeout_s"),
     "garbage": ("connect_timeout_s",),
+    "proxy_delay": ("heartbeat_timeout_s", "load_timeout_s"),
+    "proxy_stall": ("heartbeat_timeout_s", "connect_timeout_s", "load_timeout_s"),
     "proxy_reset": ("heartbeat_timeout_s", "connect_timeout_s"),
     "router_restart": ("first_byte_s",),
     "client_disconnect": ("abort_grace_s",),
@@ -152,8 +164,12 @@ class Injector:
 
     Faults overlap: each picks its target among the servers that are up (waiting, if none is, until one is
     back) and holds it only while it is stopped or restarting, so a P's restart does not hold back a stop
-    of D or a router restart queued after it. Called on the load's event loop; what blocks (kills,
-    restarts, sockets) runs on worker threads."""
+    of D or a router restart queued after it. A kill or a stop never takes down the last server of its role
+    that is up when the role has several (it waits for another to be back): the issue allows failures only
+    where no survivor could continue, and with every P or every D down at once each request fails at once,
+    the load runs through its requests in seconds and the rest of the timeline strikes after it (a 1000-request
+    run did so: 847 failed within 33 s). Called on the load's event loop; what blocks (kills, restarts,
+    sockets) runs on worker threads."""
 
     def __init__(self, cluster: Cluster, seed: int, t0: float) -> None:
         self.cluster, self.t0 = cluster, t0
@@ -164,6 +180,8 @@ class Injector:
         self.restarts: dict[str, list[float]] = {}
         #: Connector counters of the servers killed, read just before (a restart starts them from zero).
         self.killed_counters: Counter[str] = Counter()
+        #: Connections open through the proxies when each proxy fault struck, summed by kind.
+        self.proxy_hits: Counter[str] = Counter()
         self.busy: set[str] = set()  # servers a fault holds now (stopped, restarting)
         self._turn = asyncio.Condition()
 
@@ -173,12 +191,23 @@ class Injector:
             "kill_prefill": c.prefills,
             "kill_decode": c.decodes,
             "garbage": c.prefills,  # into its side channel
-            "proxy_reset": c.prefills,  # of its proxy
             "router_restart": [c.router],
         }.get(kind, c.engines)
-        return [s for s in pool if s.name not in self.busy]
+        return [s for s in pool if s.name not in self.busy and (kind not in DOWN or self._spared(s))]
+
+    def _spared(self, server: ManagedServer) -> bool:
+        """Whether taking ``server`` down leaves its role a server that is up (a role of one: always)."""
+        role = next(r for r in (self.cluster.prefills, self.cluster.decodes) if server in r)
+        return len(role) == 1 or any(s.name not in self.busy for s in role if s is not server)
 
     async def strike(self, kind: str) -> None:
+        if kind.startswith("proxy_"):  # the links, not a server: nothing to wait for or hold
+            self.struck.append((time.monotonic() - self.t0, kind))
+            try:
+                self.proxy_hits[kind] += await asyncio.to_thread(self._proxies, kind)
+            except Exception as e:  # a fault that could not be carried out is reported, not hidden
+                self.errors.append(f"{kind}: {e!r}")
+            return
         async with self._turn:
             await self._turn.wait_for(lambda: bool(self._targets(kind)))
             target = self.rng.choice(self._targets(kind))
@@ -205,8 +234,6 @@ class Injector:
         elif kind == "garbage":
             port = await asyncio.to_thread(c.transfer_port, c.prefills.index(target))
             await asyncio.to_thread(_send, port, garbage)
-        elif kind == "proxy_reset" and c.proxies:
-            await asyncio.to_thread(c.proxies[c.prefills.index(target)].reset_connections)
         elif kind in ("kill_prefill", "kill_decode", "router_restart"):
             if kind != "router_restart":
                 self.killed_counters.update(await asyncio.to_thread(connector_counters, c, [target]))
@@ -220,6 +247,19 @@ class Injector:
             self.restarts.setdefault(kind, []).append(time.monotonic() - began)
         else:
             raise ValueError(f"fault {kind!r} does not apply to the {c.engine} phase")
+
+    def _proxies(self, kind: str) -> int:
+        """A proxy fault on every control and data connection open now; how many it struck."""
+        proxies = list(self.cluster.all_proxies().values())
+        if not proxies:
+            raise ValueError(f"fault {kind!r} does not apply to the {self.cluster.engine} phase")
+        if kind == "proxy_delay":
+            return sum(
+                p.delay_connections(PROXY_DELAY["seconds"], PROXY_DELAY["per_chunk_s"]) for p in proxies
+            )
+        if kind == "proxy_stall":
+            return sum(p.stall_connections(PROXY_STALL_S) for p in proxies)
+        return sum(p.reset_connections() for p in proxies)
 
 
 def _send(port: int, data: bytes) -> None:
@@ -312,7 +352,11 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
         },
         "faults": dict(faults),
         "fault_errors": injector.errors,
-        "proxy_faults": {f"p{i}": dict(p.injected) for i, p in enumerate(cluster.proxies)},
+        # What struck through each proxy (the seeded per-connection faults and the timeline's), and how many
+        # open connections the timeline's proxy faults found, by kind.
+        "proxy_faults": {name: dict(p.injected) for name, p in cluster.all_proxies().items()},
+        "proxy_connections_hit": dict(injector.proxy_hits),
+        "proxy_relayed_mb": {n: round(p.relayed.total() / 1e6, 1) for n, p in cluster.all_proxies().items()},
         # None: the engine did not answer after the quiet period.
         "blocks_leaked": {
             n: round(u - baseline[n], 4) if math.isfinite(u) else None for n, (u, _) in state.items()
@@ -325,6 +369,8 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
             kind: {
                 "timeouts_s": {name: limits[name] for name in BOUNDS[kind] if name in limits},
                 **({"stopped_s": STOPS[kind]} if kind in STOPS else {}),
+                **({"stalled_s": PROXY_STALL_S} if kind == "proxy_stall" else {}),
+                **({"delayed": PROXY_DELAY} if kind == "proxy_delay" else {}),
                 **(
                     {"restart_s": [pct(injector.restarts[kind], 50), pct(injector.restarts[kind], 99)]}
                     if kind in injector.restarts

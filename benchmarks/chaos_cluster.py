@@ -4,9 +4,12 @@ connector counters, RSS). Used by ``benchmarks.chaos`` in the benchmark's proces
 started and stopped by it, on loopback.
 
 vLLM phase: P and D with PDConnector (tcp data plane, ``integrity_check`` on, the short ``TIMERS``), each P's
-side channel reached through a ``FaultProxy`` (the router hands D the proxy's address; P's tcp data port is
-not proxied: no setting moves a vLLM engine's data port), pd-router with flow ``pd-push``. Settled: the
-engine's ``vllm:kv_cache_usage_perc`` back to baseline, nothing running or waiting.
+side channel (control: D dials it) and each D's tcp data listener (data: P dials it to push) reached through a
+``FaultProxy`` (the router hands D the control proxy's address; D listens on a fixed ``data_port`` and
+advertises the data proxy's as ``data_advertise_port``); new connections through either get seeded delays,
+stalls and resets, and ``benchmarks.chaos`` strikes the connections open at a moment of its timeline.
+pd-router with flow ``pd-push``. Settled: the engine's ``vllm:kv_cache_usage_perc`` back to baseline,
+nothing running or waiting.
 
 SGLang phase: one P and one D SGLang server with our ``pd`` transfer backend (same timers and integrity
 check through ``PD_SGLANG_*``, SGLang's strict idle memory check on, so a leaked page or request slot kills
@@ -60,8 +63,18 @@ class Cluster:
     router: ManagedServer
     #: vLLM: each P's side-channel port. SGLang: each P's bootstrap port (its side channel is asked of it).
     ports: list[int]
+    #: vLLM: the proxy in front of each P's side channel (control connections, D -> P).
     proxies: list[FaultProxy] = field(default_factory=list)
+    #: vLLM: the proxy in front of each D's tcp data listener (data connections, P -> D).
+    data_proxies: list[FaultProxy] = field(default_factory=list)
     url: str = ""
+
+    def all_proxies(self) -> dict[str, FaultProxy]:
+        """Every proxy by what it carries: ``control-pI``, ``data-dI``."""
+        return {
+            **{f"control-p{i}": proxy for i, proxy in enumerate(self.proxies)},
+            **{f"data-d{i}": proxy for i, proxy in enumerate(self.data_proxies)},
+        }
 
     @property
     def engines(self) -> list[ManagedServer]:
@@ -93,10 +106,18 @@ def build(
     if engine == "sglang":
         return _build_sglang(model, prefills, decodes, dtype, router, log_dir)
     rng = random.Random(f"{seed}:proxy")
-    menu = [
+    short, long = TIMERS["heartbeat_timeout_s"] / 3, TIMERS["heartbeat_timeout_s"] * 2
+    control_menu = [
         Fault("delay", after_bytes=4096, seconds=0.05),
-        Fault("stall", after_bytes=4096, seconds=TIMERS["heartbeat_timeout_s"] / 3),
-        Fault("stall", after_bytes=4096, seconds=TIMERS["heartbeat_timeout_s"] * 2),
+        Fault("stall", after_bytes=4096, seconds=short),
+        Fault("stall", after_bytes=4096, seconds=long),
+    ]
+    # A data connection lives as long as its P/D pair and carries MBs: a delay on every later chunk would
+    # slow the whole run, so its faults are stalls and a reset, somewhere in its first 8 MiB.
+    data_menu = [
+        Fault("stall", after_bytes=8 << 20, seconds=short),
+        Fault("stall", after_bytes=8 << 20, seconds=long),
+        Fault("reset", after_bytes=8 << 20),
     ]
     connector = {"integrity_check": True, **TIMERS}
 
@@ -121,16 +142,33 @@ def build(
         )
         for i, port in enumerate(side_ports)
     ]
-    d_config = {"kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+    data_ports = [(free_port(), free_port()) for _ in range(decodes)]  # (D's listener, its proxy)
     d = [
-        server(f"chaos-d{i}", (i + 1) % 2, {**d_config, "kv_connector_extra_config": connector})
-        for i in range(decodes)
+        server(
+            f"chaos-d{i}",
+            (i + 1) % 2,
+            {
+                "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {**connector, "data_port": port, "data_advertise_port": via},
+            },
+        )
+        for i, (port, via) in enumerate(data_ports)
     ]
     proxies = [
-        FaultProxy(("127.0.0.1", port), Schedule.seeded(rng.randrange(1 << 30), menu, 0.5), seed=seed)
+        FaultProxy(("127.0.0.1", port), Schedule.seeded(rng.randrange(1 << 30), control_menu, 0.5), seed=seed)
         for port in side_ports
     ]
-    return Cluster("vllm", p, d, router, side_ports, proxies)
+    data_proxies = [
+        FaultProxy(
+            ("127.0.0.1", port),
+            Schedule.seeded(rng.randrange(1 << 30), data_menu, 0.5),
+            seed=seed,
+            listen_port=via,
+        )
+        for port, via in data_ports
+    ]
+    return Cluster("vllm", p, d, router, side_ports, proxies, data_proxies)
 
 
 def _sglang_env() -> dict[str, str]:
@@ -184,7 +222,7 @@ def start(cluster: Cluster, model: Path, log_dir: Path) -> None:
         server.start()
     for server in cluster.engines:
         server.wait_healthy(900)
-    for proxy in cluster.proxies:
+    for proxy in cluster.all_proxies().values():
         proxy.start()
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": str(model), "served_names": [SERVED], "max_model_len": MAX_MODEL_LEN},
@@ -224,7 +262,7 @@ def stop(cluster: Cluster) -> None:
     for server in reversed(cluster.servers()):
         server.kill(signal.SIGCONT)
         server.stop()
-    for proxy in cluster.proxies:
+    for proxy in cluster.all_proxies().values():
         proxy.stop()
 
 

@@ -4,8 +4,9 @@ accounted for afterwards (sized to keep CI's test phase near its 30-minute budge
 ``python -m benchmarks.chaos``).
 
 Faults: a P killed and restarted, an engine stopped shorter than its heartbeat timeout and one stopped longer
-than its lease, garbage into P's side channel, resets of the P<->D control connections (through the fault
-proxy, whose new connections get seeded delays and stalls), client disconnects mid-stream, a router restart.
+than its lease, garbage into P's side channel, resets of the P<->D control and data connections open at that
+moment (through the fault proxies, whose new connections get seeded delays, stalls and resets too), client
+disconnects mid-stream, a router restart.
 The run must end with no 200 carrying wrong tokens, no request past its deadline, every engine back to its
 idle KV usage with nothing running or waiting, the router holding nothing, and KV moved through the
 connector with integrity mode on (bytes sent, loads completed, no integrity failure).

@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 from benchmarks.chaos import FAULT_KINDS, PHASE_FAULTS, Injector, Plan, run
 from benchmarks.chaos_cluster import Cluster, _loads
 from benchmarks.chaos_load import Answer, Prompt, Record, load, one_request, prompts, recovery, timeline
+from test_support.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.unit
 
@@ -211,6 +212,67 @@ async def test_faults_overlap_but_never_strike_a_server_that_is_down() -> None:
     assert p.at("SIGKILL", 1) >= p.at("healthy", 0)  # the second kill waited for P to be back
     assert len(injector.restarts["kill_prefill"]) == 2 and not injector.busy
     assert [kind for _, kind in injector.struck] == ["kill_prefill", "stop_short", "kill_prefill"]
+
+
+async def test_a_kill_or_stop_never_takes_down_the_last_server_of_a_role_up() -> None:
+    """With two P and two D, a second P kill waits until the first killed P is back, and a stop (any engine)
+    waits while a D restarts when only D are left to stop: one of each role stays up throughout."""
+    p0, p1 = _Server("p0", restart_s=0.4), _Server("p1", restart_s=0.4)
+    router = _Server("router")
+    cluster = Cluster("vllm", [p0, p1], [], router, [9, 9])  # type: ignore[list-item, arg-type]
+    injector = Injector(cluster, seed=0, t0=time.monotonic())
+    await asyncio.gather(injector.strike("kill_prefill"), injector.strike("kill_prefill"))
+    (_, first), (t2, _) = sorted((t, s.name) for s in (p0, p1) for w, t in s.events if w == "SIGKILL")
+    assert t2 >= {p0.name: p0, p1.name: p1}[first].at("healthy")  # (the same P again, or the other)
+
+    d0, d1 = _Server("d0", restart_s=0.4), _Server("d1", restart_s=0.4)
+    cluster = Cluster("vllm", [], [d0, d1], router, [])  # type: ignore[list-item, arg-type]
+    injector = Injector(cluster, seed=0, t0=time.monotonic())
+    await asyncio.gather(injector.strike("kill_decode"), injector.strike("stop_short"))
+    (killed,) = [d for d in (d0, d1) if "SIGKILL" in dict(d.events)]
+    (stopped,) = [d for d in (d0, d1) if "SIGSTOP" in dict(d.events)]
+    assert stopped.at("SIGSTOP") >= killed.at("healthy")
+    assert not injector.errors and not injector.busy
+
+
+async def test_proxy_faults_strike_every_open_control_and_data_connection_and_hold_no_server() -> None:
+    """proxy_delay, proxy_stall and proxy_reset act on the connections open through every proxy (a P's side
+    channel, a D's data listener) at the moment they strike, and are counted by how many they found."""
+    target = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    port = target.sockets[0].getsockname()[1]
+    p, d, router = _Server("p"), _Server("d"), _Server("router")
+    control, data = FaultProxy(("127.0.0.1", port)), FaultProxy(("127.0.0.1", port))
+    cluster = Cluster("vllm", [p], [d], router, [9], [control], [data])  # type: ignore[list-item, arg-type]
+    assert list(cluster.all_proxies()) == ["control-p0", "data-d0"]
+    injector = Injector(cluster, seed=0, t0=time.monotonic())
+    writers = []
+    try:
+        for proxy in (control, data):
+            proxy.start()
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"up")
+            assert await reader.readexactly(2) == b"up"  # relayed: the connection is open through it
+            writers.append(writer)
+        for kind in ("proxy_delay", "proxy_stall", "proxy_reset"):
+            await injector.strike(kind)
+    finally:
+        for writer in writers:
+            writer.close()
+        for proxy in (control, data):
+            proxy.stop()
+        target.close()
+    assert not injector.errors, injector.errors
+    assert injector.proxy_hits == {"proxy_delay": 2, "proxy_stall": 2, "proxy_reset": 2}
+    assert control.injected == data.injected == {"delay": 1, "stall": 1, "reset": 1}
+    assert [k for _, k in injector.struck] == ["proxy_delay", "proxy_stall", "proxy_reset"]
+    assert not injector.busy and not p.events and not d.events  # no server was held or touched
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
 
 
 async def test_a_failed_request_holds_its_slot_for_the_backoff() -> None:
