@@ -53,7 +53,8 @@ def main() -> None:
         max_total_tokens=400,
         extra_args=("--kv-events-config", json.dumps(config)),
     )
-    # Subscribed before the server starts (ZMQ connects once the publisher binds), so no batch is missed.
+    # Subscribed before the server starts (ZMQ connects once the publisher binds), so every batch after its
+    # start-up is received (the first of its warm-up request's may go before the connection is made).
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
