@@ -43,6 +43,7 @@ from benchmarks.autoscale_analysis import (
     Sample,
     Slo,
     arrivals,
+    holding,
     phase_figures,
     phases,
     replica_changes,
@@ -105,10 +106,11 @@ async def sample_replicas(dashboard: str, t0: float, out: list[Sample], stop: as
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, KeyError):
                 details = await _get_json(session, f"{dashboard}/api/serve/applications/")
                 deployments = details["applications"]["pd"]["deployments"]
-                held = {
-                    role: sum(r["state"] != "STOPPED" for r in deployments[name]["replicas"])
+                states = {
+                    role: [r["state"] for r in deployments[name]["replicas"]]
                     for role, name in DEPLOYMENTS.items()
                 }
+                held = holding(states, ENGINE_SLOTS)
                 out.append(Sample(time.monotonic() - t0, held["prefill"], held["decode"]))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)

@@ -7,9 +7,10 @@ Definitions (per phase of one system's run):
   (time from the first to the last token over the tokens after the first; 0 for one token) <= the TPOT SLO;
   failed requests count as sent and not attained.
 - **SLO attainment** = attained / sent. **Goodput** = attained / the phase's length (req/s).
-- **replica-seconds** = the integral over the phase of the engine replicas Serve listed in any state but
-  STOPPED (a starting or stopping replica holds its resources too), from samples of the dashboard's replica
-  lists (a step function: each sample holds until the next).
+- **replica-seconds** = the integral over the phase of the engine replicas holding an engine slot (any state
+  but STOPPED: a starting or stopping replica holds its resources too; at most the cluster's slots, see
+  ``holding``), from samples of the dashboard's replica lists (a step function: each sample holds until the
+  next).
 - **goodput per replica-second** = attained / replica-seconds (requests per replica-second).
 """
 
@@ -114,6 +115,20 @@ class Sample(msgspec.Struct, frozen=True):
     t_s: float
     prefill: int
     decode: int
+
+
+def holding(states: dict[str, list[str]], slots: int) -> dict[str, int]:
+    """Replicas per role that hold an engine slot, from their Serve states: all but STOPPED, at most ``slots``
+    in all. Serve calls a replica waiting for resources STARTING, like one starting on its slot, so when more
+    are listed than there are slots the excess are STARTING replicas: taken from the roles with STARTING
+    replicas (decode's first), never from RUNNING or STOPPING ones."""
+    held = {role: sum(s != "STOPPED" for s in listed) for role, listed in states.items()}
+    excess = sum(held.values()) - slots
+    for role in sorted(held, key=lambda r: r != "decode"):
+        take = min(max(excess, 0), states[role].count("STARTING"))
+        held[role] -= take
+        excess -= take
+    return held
 
 
 def replica_seconds(samples: Sequence[Sample], start_s: float, end_s: float) -> dict[str, float]:

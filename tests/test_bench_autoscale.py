@@ -18,6 +18,7 @@ from benchmarks.autoscale_analysis import (
     Sample,
     Slo,
     arrivals,
+    holding,
     phase_figures,
     phases,
     replica_changes,
@@ -73,6 +74,19 @@ def test_replica_seconds_integrate_a_step_function_over_the_phase() -> None:
     with pytest.raises(ValueError):
         replica_seconds([], 0, 1)
     assert replica_changes([*samples, Sample(13.0, 2, 2)]) == [[0.0, 1, 1], [5.0, 1, 2], [12.0, 2, 2]]
+
+
+def test_replicas_waiting_for_a_slot_hold_nothing() -> None:
+    listed = {"prefill": ["RUNNING", "STOPPING"], "decode": ["RUNNING", "STARTING"]}
+    assert holding(listed, 3) == {"prefill": 2, "decode": 1}  # D's second waits for the slot P releases
+    assert holding(listed, 4) == {"prefill": 2, "decode": 2}
+    assert holding({"prefill": ["STARTING"], "decode": ["RUNNING", "STOPPED"]}, 3) == {
+        "prefill": 1,
+        "decode": 1,
+    }
+    both = {"prefill": ["RUNNING", "STARTING"], "decode": ["RUNNING", "STARTING", "STARTING"]}
+    assert holding(both, 3) == {"prefill": 2, "decode": 1}  # decode's first, then prefill's
+    assert holding(both, 2) == {"prefill": 1, "decode": 1}
 
 
 def test_a_phase_counts_sent_failed_attained_and_goodput_per_replica_second() -> None:
