@@ -1,7 +1,7 @@
 """KV-aware routing on real vLLM CPU servers, and what a routing decision costs the router.
 
     python -m benchmarks.kv_routing [--model DIR] [--prefills 1] [--conversations 6] [--turns 4] [--agents 4]
-                                    [--steps 4]
+                                    [--steps 4] [--repeat 1]
     python -m benchmarks.kv_routing --decision-only [--conversations 10000] [--decisions 5000]
 
 End to end (default): ``--prefills`` prefill (one by default) and two decode vLLM servers (PDConnector, tiny
@@ -17,12 +17,16 @@ itself). Two workloads per router, streamed chat requests, greedy, 16 tokens:
   history grows by a ~25-word tool result.
 
 Every (router, workload) run has text of its own (seeded per run), so no run finds another's blocks cached.
+``--repeat N`` measures every router N times, each repetition starting with the next router (the first runs
+meet servers that have served nothing yet), and reports the median of each figure with every run's.
 Per run: ``ttft_ms`` p50/p99 (client side, to the first content event), ``goodput_rps`` (requests per second
 of the run's wall time, all requests succeeded), and from the engines' own counters over the run:
 ``prefill_tokens_computed`` (``vllm:prompt_tokens_by_source_total{source="local_compute"}`` summed over the
 servers: P's and D's) and ``prefix_hit_rate`` (their ``local_cache_hit`` tokens over all their prompt
-tokens). Only two cores serve three or more engines, a router and this client: TTFT here is dominated by CPU
-contention; the token counts are the robust figures. With one P, a router that ignores prefixes loses
+tokens), and ``slowest``: the three slowest requests (their turn, 0 being a conversation's first; when they
+were sent from the run's start; TTFT; pd-router's route), to see where the tail comes from. Only two cores
+serve three or more engines, a router and this client: TTFT here is dominated by CPU contention; the token
+counts are the robust figures. With one P, a router that ignores prefixes loses
 little: that P's own prefix cache holds every conversation, so it computes only each turn's new tokens.
 With two, a turn sent to the P that did not see the conversation's last turn computes the whole history
 again: ``--prefills 2`` is the topology where knowing the prefixes should halve the tokens computed.
@@ -57,7 +61,7 @@ from typing import Any
 import aiohttp
 
 from integration_tests.pd_checks import metric
-from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
+from pd_disagg.engines import base_url, router_server, sglang_python, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 from router.balancer import Balancer
 from router.config import CircuitConfig, KvRoutingConfig, PolicyConfig, WorkerConfig
@@ -158,8 +162,9 @@ def _text(rng: random.Random, words: int) -> str:
 
 async def _turn(
     session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]]
-) -> tuple[float, str]:
-    """One streamed greedy chat request; (seconds to the first content event, the answer)."""
+) -> tuple[float, str, str]:
+    """One streamed greedy chat request; (seconds to the first content event, the answer, pd-router's route:
+    ``X-PD-Route``, "" from sglang-router)."""
     body = {"model": "m", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     start = time.monotonic()
     first: float | None = None
@@ -167,6 +172,7 @@ async def _turn(
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
+        route = resp.headers.get("X-PD-Route", "")
         async for line in resp.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -175,15 +181,16 @@ async def _turn(
             if content:
                 first = first if first is not None else time.monotonic() - start
                 parts.append(content)
-    return (first if first is not None else time.monotonic() - start), "".join(parts)
+    return (first if first is not None else time.monotonic() - start), "".join(parts), route
 
 
 async def _workload(
     url: str, kind: str, args: argparse.Namespace, seed: int
-) -> tuple[list[float], int, float]:
-    """Run one workload through ``url``; (TTFTs, requests, wall seconds)."""
+) -> tuple[list[dict[str, Any]], float]:
+    """Run one workload through ``url``; (one record per request: its turn, when it was sent and its TTFT in
+    ms from the run's start, its route; the wall seconds)."""
     rng = random.Random(seed)
-    ttfts: list[float] = []
+    records: list[dict[str, Any]] = []
     if kind == "multi_turn":
         shared = _text(rng, 150)
         streams = [
@@ -202,17 +209,20 @@ async def _workload(
 
     async def one(session: aiohttp.ClientSession, turns: list[str]) -> None:
         history = list(system)
-        for user in turns:
+        for k, user in enumerate(turns):
             history.append({"role": "user", "content": user})
-            ttft, answer = await _turn(session, url, history)
-            ttfts.append(ttft)
+            sent = time.monotonic() - start
+            ttft, answer, route = await _turn(session, url, history)
+            records.append(
+                {"turn": k, "sent_ms": round(1000 * sent), "ttft_ms": round(1000 * ttft), "route": route}
+            )
             history.append({"role": "assistant", "content": answer})
 
     start = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(one(session, turns) for turns in streams))
-    return ttfts, sum(len(t) for t in streams), time.monotonic() - start
+    return records, time.monotonic() - start
 
 
 def _sources(urls: list[str]) -> dict[str, float]:
@@ -274,13 +284,18 @@ def _routers(
     routers["sglang"] = ManagedServer(
         "sglang-router",
         [
-            sys.executable,
+            sglang_python(),  # the SGLang environment has sglang-router (pd_disagg.engines.sglang_router)
             "-m",
             "sglang_router.launch_router",
             "--worker-urls",
             *ds,
             "--port",
             str(port),
+            # its metrics listener defaults to a fixed port: a free one, beside other engineers' routers
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
             "--policy",
             "cache_aware",
             "--log-level",
@@ -293,11 +308,46 @@ def _routers(
     return routers
 
 
+def _measured(url: str, engines: list[str], kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One workload through the router at ``url``: its figures, and the engines' token counts over it."""
+    before = _sources(engines)
+    records, wall = asyncio.run(_workload(url, kind, args, seed))
+    ttfts = [r["ttft_ms"] for r in records]
+    after = _sources(engines)
+    computed = after["local_compute"] - before["local_compute"]
+    hit = after["local_cache_hit"] - before["local_cache_hit"]
+    return {
+        "requests": len(records),
+        "ttft_ms": {"p50": _percentile(ttfts, 0.5), "p99": _percentile(ttfts, 0.99)},
+        "prefill_tokens_computed": computed,
+        "prefix_hit_rate": hit / (hit + computed) if hit + computed else 0.0,
+        "goodput_rps": len(records) / wall,
+        # where the tail comes from: the slowest requests (turn 0: a conversation's first)
+        "slowest": sorted(records, key=lambda r: -r["ttft_ms"])[:3],
+    }
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over a (router, workload)'s repetitions, and every repetition's figures."""
+
+    def med(get: Any) -> float:
+        return statistics.median(get(r) for r in runs)
+
+    return {
+        "requests": runs[0]["requests"],
+        "ttft_ms": {q: med(lambda r, q=q: r["ttft_ms"][q]) for q in ("p50", "p99")},
+        "prefill_tokens_computed": med(lambda r: r["prefill_tokens_computed"]),
+        "prefix_hit_rate": med(lambda r: r["prefix_hit_rate"]),
+        "goodput_rps": med(lambda r: r["goodput_rps"]),
+        "runs": runs,
+    }
+
+
 def end_to_end(args: argparse.Namespace) -> dict:
     logs = ROOT / "logs" / "benchmarks"
     engines, p_addrs = _engines(args.model, logs, args.prefills)
     started: list[ManagedServer] = []
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
         for s in engines:
             started.append(s.start())
@@ -312,28 +362,18 @@ def end_to_end(args: argparse.Namespace) -> dict:
             for r in routers.values():
                 r.wait_healthy(120)
             _log("servers up")
-            for i, name in enumerate(ROUTERS):
-                url = base_url(routers[name])
-                for j, kind in enumerate(WORKLOADS):
-                    before = _sources(urls)
-                    ttfts, requests, wall = asyncio.run(_workload(url, kind, args, 1000 * i + j))
-                    after = _sources(urls)
-                    computed = after["local_compute"] - before["local_compute"]
-                    hit = after["local_cache_hit"] - before["local_cache_hit"]
-                    results.setdefault(name, {})[kind] = {
-                        "requests": requests,
-                        "ttft_ms": {
-                            "p50": 1000 * _percentile(ttfts, 0.5),
-                            "p99": 1000 * _percentile(ttfts, 0.99),
-                        },
-                        "prefill_tokens_computed": computed,
-                        "prefix_hit_rate": hit / (hit + computed) if hit + computed else 0.0,
-                        "goodput_rps": requests / wall,
-                    }
-                    _log(name, kind, json.dumps(results[name][kind]))
+            for rep in range(args.repeat):
+                # each repetition starts with another router: none always meets the servers' first requests
+                for i, name in enumerate(ROUTERS[rep % 3 :] + ROUTERS[: rep % 3]):
+                    url = base_url(routers[name])
+                    for j, kind in enumerate(WORKLOADS):
+                        run = _measured(url, urls, kind, args, 100 * rep + 10 * i + j)
+                        runs.setdefault(name, {}).setdefault(kind, []).append(run)
+                        _log(rep, name, kind, json.dumps(run))
     finally:
         for s in reversed(started):
             s.stop()
+    results = {name: {kind: _median(r) for kind, r in kinds.items()} for name, kinds in runs.items()}
     ratios = {
         kind: {
             "computed_ours_over_off": results["ours"][kind]["prefill_tokens_computed"]
@@ -343,7 +383,8 @@ def end_to_end(args: argparse.Namespace) -> dict:
         }
         for kind in WORKLOADS
     }
-    return {"routers": results, "ratios": ratios, "conditions": {"prefills": args.prefills, "decodes": 2}}
+    conditions = {"prefills": args.prefills, "decodes": 2, "repetitions": args.repeat}
+    return {"routers": results, "ratios": ratios, "conditions": conditions}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--decisions", type=int, default=5_000)
+    parser.add_argument("--repeat", type=int, default=1, help="repetitions (end to end; medians reported)")
     args = parser.parse_args(argv)
     if args.decision_only:
         result = {"decision": decision_cost(args.conversations or 10_000, args.decisions)}
