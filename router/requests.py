@@ -74,6 +74,9 @@ class Parsed(msgspec.Struct):
     # The parameter that makes the engine run several sequences (``n``, a prompt list, ``use_beam_search``),
     # None for one. P/D legs carry one transfer id, which several sequences cannot share (docs/router.md).
     fan_out: str | None = None
+    # Chat: token ids -> text, to check that the text streamed so far carries every delivered token before a
+    # broken stream is continued by text (``streaming.continuation``).
+    text_of_ids: Callable[[list[int]], str] | None = None
 
     async def exact_prompt_tokens(self) -> int:
         """The prompt's real token count (what a resumed stream reports in its usage)."""
@@ -281,6 +284,7 @@ async def parse(
             prompt_ids,
             dropped,
             fan_out,
+            tokenizer.text if kind == "chat" else None,
         )
 
     bounds = _bounds(prompts, tokenizer, special, count_from)

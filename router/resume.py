@@ -19,7 +19,7 @@ from router.downstream import Downstream
 from router.legs import Legs, cancel
 from router.relay import ClientStream, relay, write, write_error
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, continuation
+from router.streaming import DONE, Stitcher, StreamState, Unresumable, continuation
 from router.upstream import UpstreamError
 
 # The request's own logger: everything that happens to one request logs under one name, as before the split.
@@ -39,7 +39,14 @@ async def resume(
     cfg, balancer, metrics = legs.cfg, legs.balancer, legs.metrics
     for _ in range(cfg.retry.max_resumes if state is not None else 0):
         assert state is not None
-        body = continuation(parsed, state)
+        try:
+            body = continuation(parsed, state)
+        except Unresumable as e:
+            log.warning("not resuming a broken stream after %d tokens: %s", state.tokens, e)
+            await write_error(
+                client, f"the decode worker failed mid-stream and could not be resumed: {err}; {e}"
+            )
+            return
         if body is None or state.finished:
             await _finish(client, state, parsed)
             return

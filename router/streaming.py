@@ -150,8 +150,17 @@ class StreamState:
                 self.finished = True
 
 
+class Unresumable(ValueError):
+    """The stream cannot be continued exactly where it broke (``continuation``)."""
+
+
 def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
-    """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do."""
+    """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do.
+
+    A chat continues from its text; raises ``Unresumable`` when that text does not carry every token the
+    client got: a token that is part of a multi-byte character streams no text until the character is
+    complete, so a continuation from the text alone would generate that token again (a wrong answer).
+    """
     so_far = "".join(state.text)
     body = dict(parsed.body)  # carries no transfer fields (``Parsed``): the new worker prefills itself
     if parsed.max_tokens is not None:
@@ -165,6 +174,13 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
         else:
             body["prompt"] = body["prompt"] + so_far
         return body
+    ids = state.ids
+    if ids and parsed.text_of_ids is not None:
+        cut = parsed.text_of_ids(ids).count("\ufffd") - so_far.count("\ufffd")
+        if cut > 0:
+            raise Unresumable(
+                f"the stream broke inside a character ({cut} delivered bytes carry no text yet)"
+            )
     messages = list(body["messages"])
     if body.get("continue_final_message") and messages:
         last = dict(messages[-1])

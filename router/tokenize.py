@@ -117,6 +117,12 @@ class PromptTokenizer:
         ids: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return ids
 
+    def text(self, ids: list[int]) -> str:
+        """``ids`` as text, special tokens skipped (what vLLM streams by default); bytes of a character cut
+        short come out as U+FFFD."""
+        text: str = self._tok.decode(ids, skip_special_tokens=True)
+        return text
+
     def count(self, text: str, add_special_tokens: bool = True) -> int:
         return len(self.ids(text, add_special_tokens))
 

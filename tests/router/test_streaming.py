@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, WorkerErrorEvent, continuation, strip_token_ids
+from router.streaming import (
+    DONE,
+    Stitcher,
+    StreamState,
+    Unresumable,
+    WorkerErrorEvent,
+    continuation,
+    strip_token_ids,
+)
+from router.tokenize import PromptTokenizer
 
 
 def ev(obj) -> bytes:
@@ -161,3 +173,36 @@ def test_an_error_event_stops_a_stitched_stream_after_what_came_before_it() -> N
     out = raised.value.out
     assert b'" a"' in out and b"InternalServerError" not in out and DONE not in out and s.tokens == 2
     assert st.rewrite_batch(comp_chunk(" b") + DONE).endswith(DONE)
+
+
+def _byte_tokenizer(root: Path) -> PromptTokenizer:
+    """Byte-level BPE without merges: each UTF-8 byte is one token, as the tiny model's rarer characters are."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        ["plain"], trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    tok.save(str(root / "tokenizer.json"))
+    return PromptTokenizer(root)
+
+
+def chat_ids_chunk(content: str, ids: list[int]) -> bytes:
+    return ev(
+        {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"content": content}, "token_ids": ids}]}
+    )
+
+
+def test_a_chat_broken_inside_a_character_is_not_continued_from_its_text(tmp_path: Path) -> None:
+    tokenizer = _byte_tokenizer(tmp_path)
+    first, second = tokenizer.ids("é", add_special_tokens=False)  # two bytes, two tokens
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    chat = Parsed("chat", body, msgspec.json.encode(body), 5, 8, True, True, text_of_ids=tokenizer.text)
+    s = StreamState()
+    s.observe(chat_ids_chunk("", [first]))  # vLLM streams no text for half a character
+    with pytest.raises(Unresumable, match="inside a character"):
+        continuation(chat, s)  # from the text alone the new worker would generate `first` again
+    s.observe(chat_ids_chunk("é", [second]))
+    resumed = continuation(chat, s)
+    assert resumed is not None and resumed["messages"][-1] == {"role": "assistant", "content": "é"}
+    assert resumed["max_tokens"] == 6
