@@ -144,6 +144,8 @@ class Plan:
     quiet_s: float = 60.0
     dtype: str = "float32"
     out: Path = Path("chaos.png")
+    #: vLLM: put each D's tcp data listener behind a fault proxy too (else P pushes to D directly).
+    proxy_data: bool = True
 
 
 def timeouts(engine: Engine) -> dict[str, float]:
@@ -305,7 +307,7 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
     items = prompts(plan.model, plan.prompts, plan.seed)
     answers = _colocated_sglang_answers(plan, items, log_dir) if plan.engine == "sglang" else None
     cluster = chaos_cluster.build(
-        plan.engine, plan.model, plan.prefills, plan.decodes, plan.dtype, plan.seed, log_dir
+        plan.engine, plan.model, plan.prefills, plan.decodes, plan.dtype, plan.seed, log_dir, plan.proxy_data
     )
     try:
         chaos_cluster.start(cluster, plan.model, log_dir)

@@ -94,9 +94,17 @@ class Cluster:
 
 
 def build(
-    engine: Engine, model: Path, prefills: int, decodes: int, dtype: str, seed: int, log_dir: Path
+    engine: Engine,
+    model: Path,
+    prefills: int,
+    decodes: int,
+    dtype: str,
+    seed: int,
+    log_dir: Path,
+    proxy_data: bool = True,
 ) -> Cluster:
-    """The servers and proxies of a phase (nothing started)."""
+    """The servers and proxies of a phase (nothing started); ``proxy_data``: vLLM's data connections go
+    through fault proxies too."""
     router = router_server(
         log_dir / f"chaos-{engine}-router.toml",
         log_dir=log_dir,
@@ -142,7 +150,8 @@ def build(
         )
         for i, port in enumerate(side_ports)
     ]
-    data_ports = [(free_port(), free_port()) for _ in range(decodes)]  # (D's listener, its proxy)
+    # (D's listener, its proxy); 0, 0: D's own free port, dialled directly
+    data_ports = [(free_port(), free_port()) if proxy_data else (0, 0) for _ in range(decodes)]
     d = [
         server(
             f"chaos-d{i}",
@@ -167,6 +176,7 @@ def build(
             listen_port=via,
         )
         for port, via in data_ports
+        if proxy_data
     ]
     return Cluster("vllm", p, d, router, side_ports, proxies, data_proxies)
 
