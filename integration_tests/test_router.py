@@ -137,8 +137,9 @@ async def test_short_prompt_threshold_path_equals_decode_directly(
 
 
 async def test_streamed_framing_matches_vllm(router: str, decode_servers, tiny_model) -> None:
-    """Same events, fields and order as vLLM itself (vLLM may merge tokens into one event under load, so
-    the content is compared joined; the router asks for token ids to resume exactly and must hide them)."""
+    """Same opening and closing events and fields as vLLM itself (vLLM may merge tokens into one event under
+    load, so the content is compared joined; the router asks for token ids to resume exactly and must hide
+    them)."""
     body = {
         "model": str(tiny_model),
         "messages": [{"role": "user", "content": "hello"}],
@@ -161,15 +162,25 @@ async def test_streamed_framing_matches_vllm(router: str, decode_servers, tiny_m
     def content(evs: list[Any]) -> str:
         return "".join(c["delta"].get("content") or "" for e in evs[:-1] for c in e["choices"])
 
-    def keys(e: Any) -> Any:
-        return e if isinstance(e, bytes) else (sorted(e), [sorted(c) for c in e["choices"]])
+    def fields(evs: list[Any]) -> tuple[set[str], set[str]]:
+        """The chunks' fields and their choices' fields: which of vLLM's chunk shapes a stream shows depends on
+        how many tokens vLLM merged into one event (all of them into the finish chunk, at times), so the
+        router's fields are compared with vLLM's, not its shapes."""
+        chunks = [e for e in evs if isinstance(e, dict)]
+        return {k for e in chunks for k in e}, {k for e in chunks for c in e["choices"] for k in c}
 
     ours, theirs = events(via_router), events(direct)
     assert via_router.endswith(b"\n\ndata: [DONE]\n\n") and b'"token_ids":[' not in via_router
     assert ours[0] == theirs[0]  # role chunk
     assert ours[-2:] == theirs[-2:]  # usage chunk, [DONE]
     assert content(ours) == content(theirs)
-    assert {repr(keys(e)) for e in ours} <= {repr(keys(e)) for e in theirs}
+    (ours_top, ours_choice), (their_top, their_choice) = fields(ours), fields(theirs)
+    assert ours_top <= their_top and ours_choice <= their_choice, (
+        ours_top,
+        ours_choice,
+        their_top,
+        their_choice,
+    )
 
 
 async def test_openai_client_through_router(router: str, decode_servers, tiny_model) -> None:
