@@ -20,9 +20,10 @@ within one request keeps it measurable where P's prefill varies between requests
 (the bench model here). ``fixed_overhead_unpaired_ms`` is the older estimate, per repetition TTFT pd minus
 the prefill request's TTFT, then the median. ITL is the gaps between the events the client got (one per
 token unless an engine merged them), pd vs colocated; ``first_gap_ms`` is the first of them (with
-first-token seeding, P's token to D's first: the hand-off), the rest are ``later_itl_ms``. ``stages_ms`` is the median of each span between anchor
-stamps of the P/D requests' trace records along the first token's path (``SPANS``: with first-token seeding
-it runs through P's answer), ``handoff_ms`` the same for the hand-off to D beside it (``HANDOFF``).
+first-token seeding, P's token to D's first: the hand-off), the rest are ``later_itl_ms``. ``stages_ms`` is
+the median of each span between anchor stamps of the P/D requests' trace records along the first token's
+path (``SPANS``: with first-token seeding it runs through P's answer), ``handoff_ms`` the same for the
+hand-off to D beside it (``HANDOFF``).
 
 Progress on stderr; the last stdout line is the JSON summary; ``--plot`` writes a PNG of the stages
 (docs/performance.md ``## first_token``).
@@ -61,7 +62,8 @@ SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
     ("router_out", ("router", "prefill_returned"), ("router", "client_first_byte")),
 )
-#: P's own time on a P/D request, what a request sent straight to P pays too: vLLM's front end and the prefill.
+#: P's own time on a P/D request, what a request sent straight to P pays too: vLLM's front end and the
+#: prefill.
 P_SPAN: tuple[tuple[str, str], tuple[str, str]] = (("router", "prefill_sent"), ("prefill", "prompt_done"))
 #: The hand-off to D, beside that path (D continues from P's token once its load is reported).
 HANDOFF: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
@@ -202,7 +204,8 @@ def joined(records: list[TraceRecord]) -> dict[str, dict[str, dict[str, float]]]
 
 
 def span_ms(parts: dict[str, dict[str, float]], start: tuple[str, str], end: tuple[str, str]) -> float | None:
-    """Milliseconds from ``start`` to ``end`` (component, stage) of one joined request, None if one is missing."""
+    """Milliseconds from ``start`` to ``end`` (component, stage) of one joined request, None if one is
+    missing."""
     (ca, sa), (cb, sb) = start, end
     if sa in parts.get(ca, {}) and sb in parts.get(cb, {}):
         return 1000 * (parts[cb][sb] - parts[ca][sa])
@@ -222,7 +225,8 @@ def stage_breakdown(
 
 
 def paired_overhead(records: list[TraceRecord], ttft_s: dict[str, float]) -> list[float]:
-    """Per P/D request (transfer id -> client TTFT in s): TTFT minus P's own time on it (``P_SPAN``), in ms."""
+    """Per P/D request (transfer id -> client TTFT in s): TTFT minus P's own time on it (``P_SPAN``), in
+    ms."""
     by_id = joined(records)
     out = []
     for tid, ttft in ttft_s.items():

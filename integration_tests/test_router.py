@@ -163,9 +163,9 @@ async def test_streamed_framing_matches_vllm(router: str, decode_servers, tiny_m
         return "".join(c["delta"].get("content") or "" for e in evs[:-1] for c in e["choices"])
 
     def fields(evs: list[Any]) -> tuple[set[str], set[str]]:
-        """The chunks' fields and their choices' fields: which of vLLM's chunk shapes a stream shows depends on
-        how many tokens vLLM merged into one event (all of them into the finish chunk, at times), so the
-        router's fields are compared with vLLM's, not its shapes."""
+        """The chunks' fields and their choices' fields: which of vLLM's chunk shapes a stream shows
+        depends on how many tokens vLLM merged into one event (all of them into the finish chunk, at
+        times), so the router's fields are compared with vLLM's, not its shapes."""
         chunks = [e for e in evs if isinstance(e, dict)]
         return {k for e in chunks for k in e}, {k for e in chunks for c in e["choices"] for k in c}
 

@@ -43,9 +43,7 @@ async def resume(
             body = continuation(parsed, state)
         except Unresumable as e:
             log.warning("not resuming a broken stream after %d tokens: %s", state.tokens, e)
-            await write_error(
-                client, f"the decode worker failed mid-stream and could not be resumed: {err}; {e}"
-            )
+            await _give_up(client, f"{err}; {e}")
             return
         if body is None or state.finished:
             await _finish(client, state, parsed)
@@ -83,7 +81,12 @@ async def resume(
             return
         legs.fail(decode, result, failed)
         err = result
-    await write_error(client, f"the decode worker failed mid-stream and could not be resumed: {err}")
+    await _give_up(client, str(err))
+
+
+async def _give_up(client: Downstream, why: str) -> None:
+    """End a broken stream that cannot be resumed with an OpenAI error event saying why."""
+    await write_error(client, f"the decode worker failed mid-stream and could not be resumed: {why}")
 
 
 async def _finish(client: Downstream, state: StreamState, parsed: Parsed) -> None:

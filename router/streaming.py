@@ -179,7 +179,7 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
         cut = parsed.text_of_ids(ids).count("\ufffd") - so_far.count("\ufffd")
         if cut > 0:
             raise Unresumable(
-                f"the stream broke inside a character ({cut} delivered bytes carry no text yet)"
+                f"the stream broke inside a character ({cut} partial character(s) the text does not carry)"
             )
     messages = list(body["messages"])
     if body.get("continue_final_message") and messages:

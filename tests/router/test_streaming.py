@@ -176,7 +176,8 @@ def test_an_error_event_stops_a_stitched_stream_after_what_came_before_it() -> N
 
 
 def _byte_tokenizer(root: Path) -> PromptTokenizer:
-    """Byte-level BPE without merges: each UTF-8 byte is one token, as the tiny model's rarer characters are."""
+    """Byte-level BPE without merges: each UTF-8 byte is one token, as the tiny model's rarer characters
+    are."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
