@@ -30,7 +30,8 @@ started and stopped here (``benchmarks.chaos_cluster`` says how each is configur
   prefill tokens leased), and RSS of every process group (growth since the first sample).
 
 Last stdout line, one JSON object: with one phase, ``{"engine", "requests", "ok", "failed_clean",
-"wrong_tokens", "hung", "disconnected", "faults": {kind: n}, "blocks_leaked": {server: KV above baseline
+"wrong_tokens", "hung", "disconnected", "failed_by_cause": {cause: {n, survivor_up, faults, examples}},
+"resumes": {what pd-router's log counts}, "faults": {kind: n}, "blocks_leaked": {server: KV above baseline
 (vLLM: usage %, SGLang: tokens)}, "open_requests": {server: n}, "router_open": {gauge: n},
 "rss_growth_mb": {server: MB}, "recovery_s": {kind: [p50, p99]}, "recovery_bounds": {kind: what to
 compare it with}, "timeouts_s": {...}}``,
@@ -48,7 +49,6 @@ import math
 import os
 import random
 import signal
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import chaos_cluster
+from benchmarks.chaos_causes import Window, attribute, router_resumes
 from benchmarks.chaos_cluster import (
     ROUTER_TIMEOUTS,
     SGLANG_TIMEOUTS,
@@ -72,10 +73,10 @@ from benchmarks.chaos_load import (
     OUTCOMES,
     Answer,
     Prompt,
-    Record,
     known_answers,
     load,
     pct,
+    plot,
     prompts,
     recovery,
 )
@@ -177,6 +178,8 @@ class Injector:
         self.cluster, self.t0 = cluster, t0
         self.rng = random.Random(f"{seed}:targets")
         self.struck: list[tuple[float, str]] = []
+        #: Each fault from when it struck until its target was back (``chaos_causes`` attributes failures).
+        self.windows: list[Window] = []
         self.errors: list[str] = []
         #: Seconds each restarted server took to be healthy again, by the fault's kind.
         self.restarts: dict[str, list[float]] = {}
@@ -197,6 +200,10 @@ class Injector:
         }.get(kind, c.engines)
         return [s for s in pool if s.name not in self.busy and (kind not in DOWN or self._spared(s))]
 
+    def _role(self, server: ManagedServer) -> str:
+        c = self.cluster
+        return "prefill" if server in c.prefills else "decode" if server in c.decodes else "router"
+
     def _spared(self, server: ManagedServer) -> bool:
         """Whether taking ``server`` down leaves its role a server that is up (a role of one: always)."""
         role = next(r for r in (self.cluster.prefills, self.cluster.decodes) if server in r)
@@ -204,7 +211,10 @@ class Injector:
 
     async def strike(self, kind: str) -> None:
         if kind.startswith("proxy_"):  # the links, not a server: nothing to wait for or hold
-            self.struck.append((time.monotonic() - self.t0, kind))
+            at = time.monotonic() - self.t0
+            self.struck.append((at, kind))
+            lasts = {"proxy_delay": PROXY_DELAY["seconds"], "proxy_stall": PROXY_STALL_S}.get(kind, 0.0)
+            self.windows.append(Window(at, at + lasts, kind, "", "links"))
             try:
                 self.proxy_hits[kind] += await asyncio.to_thread(self._proxies, kind)
             except Exception as e:  # a fault that could not be carried out is reported, not hidden
@@ -215,12 +225,14 @@ class Injector:
             target = self.rng.choice(self._targets(kind))
             garbage = self.rng.randbytes(4096)
             self.busy.add(target.name)
-        self.struck.append((time.monotonic() - self.t0, kind))
+        at = time.monotonic() - self.t0
+        self.struck.append((at, kind))
         try:
             await self._hit(kind, target, garbage)
         except Exception as e:  # a fault that could not be carried out is reported, not hidden
             self.errors.append(f"{kind}: {e!r}")
         finally:
+            self.windows.append(Window(at, time.monotonic() - self.t0, kind, target.name, self._role(target)))
             async with self._turn:
                 self.busy.discard(target.name)
                 self._turn.notify_all()
@@ -235,7 +247,7 @@ class Injector:
                 target.kill(signal.SIGCONT)
         elif kind == "garbage":
             port = await asyncio.to_thread(c.transfer_port, c.prefills.index(target))
-            await asyncio.to_thread(_send, port, garbage)
+            await asyncio.to_thread(chaos_cluster.send, port, garbage)
         elif kind in ("kill_prefill", "kill_decode", "router_restart"):
             if kind != "router_restart":
                 self.killed_counters.update(await asyncio.to_thread(connector_counters, c, [target]))
@@ -262,33 +274,6 @@ class Injector:
         if kind == "proxy_stall":
             return sum(p.stall_connections(PROXY_STALL_S) for p in proxies)
         return sum(p.reset_connections() for p in proxies)
-
-
-def _send(port: int, data: bytes) -> None:
-    """A peer that dials a loopback port, sends ``data`` and leaves."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(data)
-
-
-def plot(records: list[Record], struck: list[tuple[float, str]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for i, outcome in enumerate(OUTCOMES):
-        ends = [r.end for r in records if r.outcome == outcome]
-        ax.scatter(ends, [i] * len(ends), s=4, label=f"{outcome} ({len(ends)})")
-    for at, kind in struck:
-        ax.axvline(at, color="grey", lw=0.6)
-        ax.text(at, len(OUTCOMES) - 0.5, kind, rotation=90, fontsize=6, va="top")
-    ax.set_yticks(range(len(OUTCOMES)), OUTCOMES)
-    ax.set_xlabel("seconds into the load (request end); grey lines: faults")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _colocated_sglang_answers(plan: Plan, items: list[Prompt], log_dir: Path) -> list[Answer]:
@@ -352,6 +337,13 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
             kind: dict(Counter(r.outcome for r in records if r.kind == kind))
             for kind in sorted({r.kind for r in records})
         },
+        # Every failed_clean request by cause, and the streams pd-router resumed (``chaos_causes``).
+        "failed_by_cause": attribute(
+            records,
+            injector.windows,
+            {"prefill": len(cluster.prefills), "decode": len(cluster.decodes), "router": 1},
+        ),
+        "resumes": router_resumes(cluster.router.log_path),
         "faults": dict(faults),
         "fault_errors": injector.errors,
         # What struck through each proxy (the seeded per-connection faults and the timeline's), and how many

@@ -24,6 +24,7 @@ import json
 import math
 import random
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -361,3 +362,9 @@ def settle(
         if (settled and not any(router.values())) or time.monotonic() > deadline:
             return state, router
         time.sleep(0.5)  # polling a remote server's /metrics, not a synchronisation
+
+
+def send(port: int, data: bytes) -> None:
+    """A peer that dials a loopback port, sends ``data`` and leaves."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)

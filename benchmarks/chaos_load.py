@@ -69,6 +69,8 @@ class Record:
     outcome: str
     detail: str = ""
     kind: str = ""
+    #: Tokens (or characters, compared by text) of the answer received before it ended.
+    tokens: int = 0
 
 
 def prompts(model: Path, n: int, seed: int) -> list[Prompt]:
@@ -164,7 +166,7 @@ async def one_request(
             else detail
         )
         kind = prompt.path + (" stream" if mode != "plain" else "")
-        return Record(start, time.monotonic() - t0, outcome, why, kind)
+        return Record(start, time.monotonic() - t0, outcome, why, kind, len(got))
 
     try:
         async with asyncio.timeout(deadline_s):
@@ -172,7 +174,7 @@ async def one_request(
             resp = await _post(session, url + prompt.path, payload)
             async with resp:
                 if resp.status != 200:
-                    detail = f"HTTP {resp.status}"
+                    detail = f"HTTP {resp.status}: {_message(await resp.text())}"
                     return done("failed_clean")
                 if mode == "plain":
                     got = piece((await resp.json())["choices"][0], prompt.chat, False, ids)
@@ -188,7 +190,7 @@ async def one_request(
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        detail = str(event["error"])[:200]
+                        detail = f"stream error: {_message(data)}"
                         break
                     for choice in event["choices"]:  # the usage chunk has none
                         got += piece(choice, prompt.chat, True, ids)  # type: ignore[operator]
@@ -196,6 +198,8 @@ async def one_request(
                         return done("disconnected")  # leaving the block drops the connection mid-stream
                 if want[: len(got)] != got:
                     return done("wrong_tokens")
+                if not ended and not detail:
+                    detail = "stream ended without [DONE]"
                 return done("ok" if ended and got == want else "failed_clean")
     except TimeoutError:
         detail = f"no end within {deadline_s} s"
@@ -203,6 +207,16 @@ async def one_request(
     except (aiohttp.ClientError, ConnectionError, json.JSONDecodeError, KeyError) as e:
         detail = repr(e)[:200]
         return done("wrong_tokens" if got and want[: len(got)] != got else "failed_clean")
+
+
+def _message(text: str) -> str:
+    """The message of an OpenAI error body (``{"error": {"message": ...}}``), else the text, shortened."""
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return text[:300]
+    message = error.get("message") if isinstance(error, dict) else error
+    return str(message)[:300]
 
 
 async def _post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -301,6 +315,28 @@ def _progress(total: int) -> Callable[[list[Record]], None]:
             bar.stop()
 
     return update
+
+
+def plot(records: list[Record], struck: list[tuple[float, str]], path: Path) -> None:
+    """Request outcomes over time (by when each ended), the faults marked: the run's PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, outcome in enumerate(OUTCOMES):
+        ends = [r.end for r in records if r.outcome == outcome]
+        ax.scatter(ends, [i] * len(ends), s=4, label=f"{outcome} ({len(ends)})")
+    for at, kind in struck:
+        ax.axvline(at, color="grey", lw=0.6)
+        ax.text(at, len(OUTCOMES) - 0.5, kind, rotation=90, fontsize=6, va="top")
+    ax.set_yticks(range(len(OUTCOMES)), OUTCOMES)
+    ax.set_xlabel("seconds into the load (request end); grey lines: faults")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def recovery(records: list[Record], struck: list[tuple[float, str]]) -> dict[str, list[float] | None]:

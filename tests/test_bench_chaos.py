@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from benchmarks.chaos import FAULT_KINDS, PHASE_FAULTS, Injector, Plan, run
+from benchmarks.chaos_causes import Window, attribute, cause_of, roles_down, router_resumes
 from benchmarks.chaos_cluster import Cluster, _loads
 from benchmarks.chaos_load import Answer, Prompt, Record, load, one_request, prompts, recovery, timeline
 from test_support.fault_proxy import FaultProxy
@@ -212,6 +213,13 @@ async def test_faults_overlap_but_never_strike_a_server_that_is_down() -> None:
     assert p.at("SIGKILL", 1) >= p.at("healthy", 0)  # the second kill waited for P to be back
     assert len(injector.restarts["kill_prefill"]) == 2 and not injector.busy
     assert [kind for _, kind in injector.struck] == ["kill_prefill", "stop_short", "kill_prefill"]
+    # each fault's window, from the strike to its target back up, for attributing failures (chaos_causes)
+    assert sorted((w.kind, w.target, w.role) for w in injector.windows) == [
+        ("kill_prefill", "p", "prefill"),
+        ("kill_prefill", "p", "prefill"),
+        ("stop_short", "d", "decode"),
+    ]
+    assert all(w.end - w.start >= 0.4 for w in injector.windows if w.kind == "kill_prefill")  # the restart
 
 
 async def test_a_kill_or_stop_never_takes_down_the_last_server_of_a_role_up() -> None:
@@ -305,3 +313,65 @@ async def test_a_failed_request_holds_its_slot_for_the_backoff() -> None:
         await srv.close()
     assert [r.outcome for r in records] == ["failed_clean"] * 4
     assert all(b.start >= a.end + 0.3 for a, b in itertools.pairwise(records))
+
+
+def test_each_failure_is_attributed_to_a_cause_with_its_faults_and_survivors() -> None:
+    """A drop while the router was down is the router's death; the same drop with it up, an error message of
+    the router's, and the faults overlapping each request, with whether a P, a D and the router were up."""
+    windows = [
+        Window(10.0, 11.0, "router_restart", "router", "router"),
+        Window(20.0, 60.0, "kill_decode", "d0", "decode"),
+        Window(30.0, 36.0, "proxy_stall", "", "links"),
+    ]
+    drop = "ServerDisconnectedError('Server disconnected')"
+    records = [
+        Record(9.0, 10.5, "failed_clean", drop, "/v1/completions"),
+        Record(25.0, 26.0, "failed_clean", drop, "/v1/completions"),
+        Record(
+            29.0,
+            31.0,
+            "failed_clean",
+            "stream error: ... could not be resumed: x",
+            "/v1/completions stream",
+            3,
+        ),
+        Record(
+            40.0, 41.0, "failed_clean", "HTTP 503: no healthy decode worker is available", "/v1/completions"
+        ),
+        Record(40.0, 41.0, "ok", "", "/v1/completions"),
+    ]
+    causes = attribute(records, windows, {"prefill": 2, "decode": 2, "router": 1})
+    assert causes["router_died"]["n"] == 1 and causes["router_died"]["survivor_up"] == 0
+    assert causes["router_died"]["faults"] == {"router_restart": 1}
+    assert causes["connection_lost"] | {"examples": []} == {
+        "n": 1,
+        "survivor_up": 1,  # d1 was up: a survivor could have continued
+        "streamed_tokens": 0,
+        "faults": {"kill_decode": 1},
+        "examples": [],
+    }
+    assert causes["resume_failed"]["streamed_tokens"] == 1
+    assert causes["resume_failed"]["faults"] == {"kill_decode": 1, "proxy_stall": 1}
+    assert causes["no_decode_worker"]["survivor_up"] == 1
+    assert (
+        roles_down(45.0, windows, {"decode": 1}) == ["decode"]
+        and roles_down(45.0, windows, {"decode": 2}) == []
+    )
+    assert (
+        cause_of("HTTP 502: upstream workers failed (connect) after 3 attempts")
+        == "attempts_exhausted_connect"
+    )
+    assert cause_of("stream error: ... the stream broke inside a character (1 ...)") == (
+        "resume_refused_partial_character"
+    )
+
+
+def test_the_routers_log_counts_resumed_streams(tmp_path: Path) -> None:
+    log = tmp_path / "router.log"
+    log.write_text(
+        "W router.proxy: resuming a broken stream on http://d1 after 4 tokens: x\n"
+        "W router.proxy: not resuming a broken stream after 2 tokens: y\n"
+        "W router.proxy: attempt 1 failed: z\n"
+    )
+    assert router_resumes(log) == {"resumed": 1, "not_resumed": 1, "attempts_failed": 1}
+    assert router_resumes(tmp_path / "none") == {}
