@@ -1,9 +1,10 @@
 """Continuing a stream whose decode worker failed after the client got its first bytes.
 
 Called by ``proxy.py`` once a relayed stream broke (router process, the request's coroutine). The client keeps
-its stream: the continuation (``streaming.continuation``: the prompt plus the tokens delivered so far) goes to
-another decode worker, at most ``retry.max_resumes`` times, and ``streaming.Stitcher`` makes its events read
-as the rest of the first stream. The continuation goes to D alone, which prefills the prompt and the delivered
+its stream: the continuation (``streaming.continuation``: the prompt plus the tokens delivered so far; a chat
+as a token-id ``/v1/completions`` request where the ids are known) goes to another decode worker, at most
+``retry.max_resumes`` times, and ``streaming.Stitcher`` makes its events read as the rest of the first stream
+(a chat's as chat chunks). The continuation goes to D alone, which prefills the prompt and the delivered
 tokens itself, or, where D cannot prefill (sglang-bootstrap), P->D like a new request. A stream that cannot be
 resumed ends with an OpenAI error event, one whose tokens were all delivered as vLLM would end it.
 """
@@ -19,7 +20,7 @@ from router.downstream import Downstream
 from router.legs import Legs, cancel
 from router.relay import ClientStream, relay, write, write_error
 from router.requests import Parsed
-from router.streaming import DONE, Stitcher, StreamState, Unresumable, continuation
+from router.streaming import DONE, Seam, Stitcher, StreamState, Unresumable, as_completion, continuation
 from router.upstream import UpstreamError
 
 # The request's own logger: everything that happens to one request logs under one name, as before the split.
@@ -58,14 +59,19 @@ async def resume(
                 break
         metrics.resumes.inc()
         log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
-        extra = {"return_token_ids": True} if strip or "return_token_ids" in parsed.body else {}
-        stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip)
+        seam, leg_path = None, path
+        if as_completion(parsed, body):  # a chat continued token-exactly: its events become chat chunks
+            assert parsed.text_of_ids is not None and state.ids is not None
+            seam, leg_path = Seam(parsed.text_of_ids, state.ids, "".join(state.text)), "/v1/completions"
+        ids_asked = strip or "return_token_ids" in parsed.body or seam is not None
+        extra = {"return_token_ids": True} if ids_asked else {}
+        stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip, seam)
         tokens = parsed.prompt_tokens + state.tokens
-        d_body, _, p_task = await legs.start(path, body, None, tokens, prefill, failed, extra)
+        d_body, _, p_task = await legs.start(leg_path, body, None, tokens, prefill, failed, extra)
         try:
             with balancer.lease(decode):
                 try:
-                    resp, first = await legs.guarded(p_task, legs.first_event(decode, path, d_body))
+                    resp, first = await legs.guarded(p_task, legs.first_event(decode, leg_path, d_body))
                 except UpstreamError as e:
                     legs.blame(e, decode, prefill, failed)
                     err = e

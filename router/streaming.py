@@ -3,19 +3,22 @@
 The router passes each upstream SSE event to the client byte for byte (vLLM's framing, usage chunk included).
 For a resumable request it also decodes each event (a few microseconds with msgspec) to remember the text
 and the number of tokens already delivered. If the decode worker fails mid-stream, ``continuation`` builds the
-request for another decode worker (completions: prompt + text so far; chat: the partial assistant message,
-continued with ``continue_final_message``), and ``Stitcher`` rewrites that worker's events so the client sees
-one stream: the original ``id`` and ``created``, no second role chunk, and usage counting both legs.
+request for another decode worker, and ``Stitcher`` rewrites that worker's events so the client sees one
+stream: the original ``id`` and ``created``, no second role chunk, and usage counting both legs.
 
 From vLLM workers the router asks for token ids and hides them again (``strip_token_ids``): token counts are
-then exact even when vLLM merges tokens into one event, and a completions stream resumes token-exactly
-(prompt ids + delivered ids). Limits (docs/router.md): chat continues at the text level; without ids
-(SGLang) tokens are counted one per content event.
+then exact even when vLLM merges tokens into one event, and the continuation is token-exact: a completion
+continues as prompt ids + delivered ids; a chat as a ``/v1/completions`` request of its prompt ids (the
+template applied) + delivered ids, whose events ``Stitcher`` turns back into chat chunks, with ``Seam``
+decoding a character the seam cut in two. Without ids (SGLang) a completion continues from its text and a chat
+from its text as the final assistant message (``continue_final_message``); tokens are then counted one per
+content event (docs/router.md, Limits).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -154,15 +157,40 @@ class Unresumable(ValueError):
     """The stream cannot be continued exactly where it broke (``continuation``)."""
 
 
+#: Chat fields a completion does not take: dropped from a chat continued as a completion.
+_CHAT_FIELDS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_completion_tokens",
+    "echo",
+    "add_special_tokens",
+)
+#: Chat fields that shape the chat answer beyond its content (tool calls parsed from the text, logprobs in
+#: chat's own format): a chat asking for one is continued from its text, never as a completion.
+_CHAT_OUTPUT = ("tools", "functions", "logprobs", "top_logprobs")
+
+
 def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
     """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do.
 
-    A chat continues from its text; raises ``Unresumable`` when that text does not carry every token the
-    client got: a token that is part of a multi-byte character streams no text until the character is
-    complete, so a continuation from the text alone would generate that token again (a wrong answer).
+    Completions continue from prompt ids + delivered ids where the worker sent them. A chat whose prompt ids
+    (the template applied: the worker's own ``prompt_token_ids``, else the router's rendering) and delivered
+    ids are known continues token-exactly as a ``/v1/completions`` request with that token-id prompt
+    (``as_completion`` says so; ``Stitcher`` with a ``Seam`` turns its events back into chat chunks). Any
+    other chat continues from its text as the final assistant message; raises ``Unresumable`` when that text
+    does not carry every token the client got: a token that is part of a multi-byte character streams no
+    text until the character is complete, so a continuation from the text alone would generate that token
+    again (a wrong answer).
     """
     so_far = "".join(state.text)
     body = dict(parsed.body)  # carries no transfer fields (``Parsed``): the new worker prefills itself
+    left = None
     if parsed.max_tokens is not None:
         left = parsed.max_tokens - state.tokens
         if left <= 0:
@@ -175,6 +203,14 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
             body["prompt"] = body["prompt"] + so_far
         return body
     ids = state.ids
+    prompt_ids = state.prompt_ids if state.prompt_ids is not None else parsed.prompt_ids
+    if ids is not None and prompt_ids is not None and not any(body.get(f) for f in _CHAT_OUTPUT):
+        for name in (*_CHAT_FIELDS, *_CHAT_OUTPUT):
+            body.pop(name, None)
+        body["prompt"] = prompt_ids + ids
+        if left is not None:
+            body["max_tokens"] = left
+        return body
     if ids and parsed.text_of_ids is not None:
         cut = parsed.text_of_ids(ids).count("\ufffd") - so_far.count("\ufffd")
         if cut > 0:
@@ -194,6 +230,74 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
     return body
 
 
+def as_completion(parsed: Parsed, body: dict[str, Any]) -> bool:
+    """Whether ``continuation`` made a chat's continuation a token-id ``/v1/completions`` request."""
+    return parsed.kind == "chat" and "prompt" in body
+
+
+#: Token ids before the seam decoded with the ones after it, so a tokenizer that drops a leading space at the
+#: start of a decode (SentencePiece's Metaspace) gives the seam's text as the engine would.
+_CONTEXT_IDS = 6
+#: At most this many delivered ids are the bytes of one character (UTF-8: 4 bytes; one id per byte at worst).
+_MAX_PARTIAL_IDS = 4
+
+
+class Seam:
+    """Where a chat continued as a completion joins the first stream, for its text.
+
+    The delivered ids may end inside a multi-byte character (its bytes streamed no text yet). The new worker
+    gets those ids as the end of its prompt, and vLLM's detokenizer, primed with the prompt, does not stream
+    the character they start as the client needs it (it re-sends decoded prompt text instead). So until the
+    character is complete the router decodes the text itself: ``text_of`` (the router's tokenizer, as vLLM
+    decodes) over the ids since the seam, with a few ids before as context; after it, the worker's text.
+    """
+
+    def __init__(self, text_of: Callable[[list[int]], str], ids: list[int], delivered_text: str) -> None:
+        self._text_of = text_of
+        partial = text_of(ids).count("\ufffd") - delivered_text.count("\ufffd")
+        k = 0
+        if partial > 0:  # the fewest trailing ids whose removal leaves only text the client has
+            k = next(
+                (
+                    n
+                    for n in range(1, min(len(ids), _MAX_PARTIAL_IDS * partial) + 1)
+                    if text_of(ids[:-n]).count("\ufffd") == delivered_text.count("\ufffd")
+                ),
+                0,
+            )
+        self.pending: list[int] | None = ids[len(ids) - k :] if k else None
+        self._context = ids[max(0, len(ids) - k - _CONTEXT_IDS) : len(ids) - k]
+
+    def text(self, new_ids: list[int], worker_text: str) -> str:
+        """The text to stream for an event of ``new_ids`` whose worker text is ``worker_text``."""
+        if self.pending is None:
+            return worker_text
+        self.pending += new_ids
+        before = self._text_of(self._context)
+        full = self._text_of(self._context + self.pending)
+        if full.endswith("\ufffd") or not full.startswith(before):
+            return ""  # still inside the character (or no clean cut yet): nothing to stream
+        self.pending = None
+        return full[len(before) :]
+
+
+def _as_chat_chunk(chunk: dict[str, Any], seam: Seam) -> None:
+    """Rewrite a completions chunk (``text_completion``) in place as vLLM's ``chat.completion.chunk``."""
+    chunk["object"] = "chat.completion.chunk"
+    choices = []
+    for c in chunk.get("choices") or []:
+        ids = c.get("token_ids")
+        text = seam.text(ids if isinstance(ids, list) else [], c.get("text") or "")
+        choice: dict[str, Any] = {"index": c.get("index", 0), "delta": {"content": text}}
+        choice["logprobs"] = c.get("logprobs")
+        choice["finish_reason"] = c.get("finish_reason")
+        if c.get("finish_reason") is not None:
+            choice["stop_reason"] = c.get("stop_reason")
+        choice["token_ids"] = ids
+        choices.append(choice)
+    chunk["choices"] = choices
+
+
 class WorkerErrorEvent(Exception):
     """A continuation worker streamed an OpenAI error event (vLLM's generation error) where tokens were due.
 
@@ -211,8 +315,13 @@ class WorkerErrorEvent(Exception):
 class Stitcher:
     """Rewrites a continuation worker's events into the original stream."""
 
-    def __init__(self, state: StreamState, prompt_tokens: int, strip_ids: bool) -> None:
+    def __init__(
+        self, state: StreamState, prompt_tokens: int, strip_ids: bool, seam: Seam | None = None
+    ) -> None:
+        """``seam``: the worker streams a completion that continues a chat (``as_completion``); its events are
+        rewritten as chat chunks."""
         self._state = state
+        self._seam = seam
         self._prompt_tokens = prompt_tokens
         self._earlier_tokens = state.tokens
         self._strip_ids = strip_ids
@@ -244,6 +353,8 @@ class Stitcher:
         if not isinstance(chunk, dict):
             return event
         chunk["id"], chunk["created"] = self._state.id, self._state.created
+        if self._seam is not None:
+            _as_chat_chunk(chunk, self._seam)
         choices = chunk.get("choices") or []
         if self._first:  # the continuation's prompt ids are not the client's prompt: never show them
             self._first = False
