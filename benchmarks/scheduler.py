@@ -3,7 +3,8 @@
 ``--engine vllm`` (default): vLLM's scheduler, static ``--max-num-batched-tokens``, ``SLOScheduler``.
 ``--engine sglang``: SGLang as shipped (its default ``--chunked-prefill-size``, prefill and decode steps
 alternating), static ``--chunked-prefill-size`` with ``--enable-mixed-chunk`` (decodes ride along with each
-chunk; the size counts them, like vLLM's budget), and ``PD_SGLANG_SCHEDULER=slo`` with ``--enable-mixed-chunk``.
+chunk; the size counts them, like vLLM's budget), and ``PD_SGLANG_SCHEDULER=slo`` with
+``--enable-mixed-chunk``.
 
 One colocated CPU server at a time (bench model; tiny model for SGLang), the same seeded workload for every
 configuration: ``--decodes`` streaming requests kept running all the time (a finished one is replaced at
@@ -15,7 +16,16 @@ Reported per configuration (all from the measurement window, after a warm-up lon
 - ``itl_window_p99``: p99 of the gaps that overlap an interference window (a long prompt's arrival to its
   first token), where head-of-line blocking happens;
 - ``itl_p99``: p99 of all gaps; ``ttft_long_p50``: median TTFT of the long prompts;
-- ``throughput``: generated tokens per second (decode streams and long prompts).
+- ``throughput``: generated tokens per second (decode streams and long prompts);
+- ``cpu_share``: CPU seconds per second of the server's processes over the window (``api_server``: vLLM's
+  front end; the others by process name, e.g. ``VLLM::EngineCor`` (the scheduler's process) and
+  ``VLLM::Worker`` (the model's)): which process had the cores.
+
+Defaults (the configuration docs/performance.md ``## scheduler`` quotes): the model's OpenMP threads on core
+1 (``--cores 1``; vLLM's CPU backend also keeps a core for its other processes), a 75 s window (~9 long
+prompts: a 45 s window had 2 per configuration, too few for a TTFT median), and 2 static runs, so the 4
+servers of a default run fit one 15-minute slot of the shared engine lock. ``--ours-variant`` adds runs of
+ours with settings changed (the behaviour before issue 20: ``step_time=forward,admit_during_prefill=false``).
 
 ``static_best``: the largest static per-step budget that holds the target (window p99 and p99 <=
 the target), searched in steps of 16 tokens from an estimate derived from the default run (decode step time
@@ -43,6 +53,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from benchmarks.scheduler_report import plot, process_cpu_s
 from integration_tests.pd_checks import token_stream_body
 from pd_disagg.engines import base_url, sglang_server, vllm_server
 from pd_disagg.servers import running
@@ -110,8 +121,11 @@ class Workload:
             out.append((t, rng.integers(100, self.max_token_id, self.long_tokens).tolist()))
 
 
-async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, float]:
-    """Warm up, then run decodes + Poisson long prompts; returns streams and the window (start, end)."""
+async def run_workload(
+    url: str, work: Workload, cpu: Callable[[], dict[str, float]] = dict
+) -> tuple[list[Stream], float, float, dict[str, float]]:
+    """Warm up, then run decodes + Poisson long prompts; returns streams, the window (start, end) and the
+    CPU share of each of ``cpu()``'s processes over the window (CPU seconds per second: 1.0 = one core)."""
     rng = np.random.default_rng(work.seed + 1)
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -150,13 +164,14 @@ async def run_workload(url: str, work: Workload) -> tuple[list[Stream], float, f
 
         loops = [asyncio.create_task(decode_loop()) for _ in range(work.decodes)]
         await asyncio.sleep(0.5)  # let the decode streams get going
-        start = time.perf_counter()
+        cpu_start, start = cpu(), time.perf_counter()
         await asyncio.gather(*(long_request(d, ids) for d, ids in work.long_schedule()))
         await asyncio.sleep(max(0.0, start + work.duration_s - time.perf_counter()))
-        end = time.perf_counter()
+        cpu_end, end = cpu(), time.perf_counter()
         stop.set()
         await asyncio.wait_for(asyncio.gather(*loops), timeout=HTTP_TIMEOUT_S)
-        return streams, start, end
+        share = {name: (cpu_end[name] - cpu_start.get(name, 0.0)) / (end - start) for name in cpu_end}
+        return streams, start, end, share
 
 
 def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]:
@@ -187,7 +202,8 @@ def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]
 
 @dataclass(frozen=True)
 class Engine:
-    """How one engine is run for each configuration: server flags and environment, default model and prompt."""
+    """How one engine is run for each configuration: server flags and environment, default model and
+    prompt."""
 
     static_args: Callable[[int], list[str]]  # a static per-step token budget
     ours_args: list[str]
@@ -234,13 +250,17 @@ def run_config(
         server = vllm_server(args.model, max_model_len=args.long_tokens + 256, **common)
     log(f"{name}: starting server {' '.join(extra)}")
     with running(server, timeout_s=600):
-        streams, start, end = asyncio.run(run_workload(base_url(server), work))
+        streams, start, end, share = asyncio.run(
+            run_workload(base_url(server), work, lambda: process_cpu_s(server.pid))
+        )
     result = summarize(streams, start, end)
+    result["cpu_share"] = share
     log(
         f"{name}: itl_max={result['itl_max_ms']:.0f}ms window_p99={result['itl_window_p99_ms']:.0f}ms "
         f"p99={result['itl_p99_ms']:.0f}ms p50={result['itl_p50_ms']:.0f}ms "
         f"ttft_long_p50={result['ttft_long_p50_ms']:.0f}ms ({result['long_prompts']} long) "
-        f"throughput={result['throughput_tok_s']:.1f} tok/s"
+        f"throughput={result['throughput_tok_s']:.1f} tok/s cpu_share="
+        + " ".join(f"{k}={v:.2f}" for k, v in share.items())
     )
     return result
 
@@ -278,33 +298,6 @@ def holds_target(result: dict, target_ms: float) -> bool:
     return bool(result["itl_window_p99_ms"] <= target_ms and result["itl_p99_ms"] <= target_ms)
 
 
-def plot(results: dict[str, dict], target_ms: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.6 * len(results)), sharex=True, sharey=True)
-    for ax, (name, res) in zip(axes, results.items(), strict=True):
-        gaps = np.array(res["gaps"])
-        for w0, w1 in res["windows"]:
-            ax.axvspan(w0, w1, color="orange", alpha=0.15, lw=0)
-        ax.scatter(gaps[:, 0], gaps[:, 1], s=3)
-        ax.axhline(target_ms, color="red", ls="--", lw=1, label=f"ITL target {target_ms:g} ms")
-        ax.set_yscale("log")
-        ax.set_ylabel("gap (ms)")
-        ax.set_title(
-            f"{name}: max {res['itl_max_ms']:.0f} ms, window p99 {res['itl_window_p99_ms']:.0f} ms, "
-            f"TTFT(long) p50 {res['ttft_long_p50_ms']:.0f} ms",
-            fontsize=9,
-        )
-    axes[0].legend(loc="upper right", fontsize=8)
-    axes[-1].set_xlabel("time (s); shaded: long prompt waiting for its first token")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -318,7 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         "--long-tokens", type=int, help="long prompt length (default: vLLM 2000, SGLang 1500)"
     )
     parser.add_argument("--long-rate", type=float, default=1 / 8, help="long prompts per second (Poisson)")
-    parser.add_argument("--duration", type=float, default=45.0, help="measurement window per config (s)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=75.0,
+        help="measurement window per config (s); 75 s: ~9 long prompts at the default rate",
+    )
     parser.add_argument("--cores", default="1", help="CPU cores of the server's OpenMP threads (0-1, 1, ...)")
     parser.add_argument(
         "--static", type=int, nargs="*", help="static budgets to try (default: searched, see --static-tries)"
@@ -326,8 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--static-tries",
         type=int,
-        default=4,
-        help="at most this many static runs when searching for the largest budget that holds the target",
+        default=2,
+        help="at most this many static runs when searching for the largest budget that holds the target "
+        "(2: the estimate and its neighbour, so a default run of 4 servers fits a 15-minute engine slot)",
     )
     parser.add_argument(
         "--ours-setting",
@@ -335,6 +334,14 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         metavar="NAME=VALUE",
         help="extra scheduler_plugins setting for ours, e.g. chunk_align_tokens=16 (repeatable)",
+    )
+    parser.add_argument(
+        "--ours-variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also run ours with these settings changed (NAME=VALUE[,NAME=VALUE...]), reported as "
+        "ours[NAME=VALUE...] (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -374,25 +381,25 @@ def main(argv: list[str] | None = None) -> None:
     holding = [b for b in candidates if holds_target(statics[b], args.target_ms)]
     best = min(holding, key=lambda b: statics[b]["ttft_long_p50_ms"]) if holding else min(candidates)
     results["static_best"] = statics[best]
-    results["ours"] = run_config(
-        "ours",
-        args,
-        work,
-        engine.ours_args,
-        {
+
+    def ours_env(settings: list[str]) -> dict[str, str]:
+        pairs = (kv.split("=", 1) for kv in settings)
+        return {
             **engine.ours_env,
             "PD_SCHED_ITL_TARGET_MS": f"{args.target_ms:g}",
-            **{
-                f"PD_SCHED_{name.upper()}": value
-                for name, value in (kv.split("=", 1) for kv in args.ours_setting)
-            },
-        },
-    )
+            **{f"PD_SCHED_{name.upper()}": value for name, value in pairs},
+        }
+
+    for variant in args.ours_variant:
+        name = f"ours[{variant}]"
+        changed = [*args.ours_setting, *variant.split(",")]
+        results[name] = run_config(name, args, work, engine.ours_args, ours_env(changed))
+    results["ours"] = run_config("ours", args, work, engine.ours_args, ours_env(args.ours_setting))
     plot(
         {
             "default": results["default"],
             f"static_best ({best} tokens)": results["static_best"],
-            "ours": results["ours"],
+            **{name: res for name, res in results.items() if name.startswith("ours")},
         },
         args.target_ms,
         args.plot,
@@ -404,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     summary["static_best_tokens"] = best
     summary["static_tried"] = {str(b): {k: round(float(statics[b][k]), 1) for k in keys} for b in candidates}
     summary["long_prompts"] = {name: res["long_prompts"] for name, res in results.items()}
+    summary["cpu_share"] = {
+        name: {k: round(v, 2) for k, v in res["cpu_share"].items()} for name, res in results.items()
+    }
     print(json.dumps(summary))
 
 

@@ -62,6 +62,27 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
     return min(room, max(lo * align, min_chunk))
 
 
+def partial_share(chunk: int, waiting_prompts: Iterable[int], min_chunk: int) -> int:
+    """How many of the step's ``chunk`` prefill tokens the prefill under way may take, so that waiting
+    requests whose whole prompt fits the rest are admitted in the same step (FCFS, until one does not fit).
+
+    Why: the engine serves its running requests before its waiting ones, so a long prompt's chunk would take
+    the whole budget and every request arriving during its prefill (e.g. a new stream's short prompt) would
+    wait for the whole prompt. Each admitted prompt must fit in the share too (the engine applies one
+    per-request cap, ``long_prefill_token_threshold``, to all prefills, and a short prompt cut by it would
+    then wait behind the long one), and the share is at least ``min_chunk``: the prompt under way always
+    moves on. Returns ``chunk`` when nothing fits.
+    """
+    admitted = 0
+    for tokens in waiting_prompts:
+        if tokens <= 0:
+            continue
+        if admitted + tokens > chunk - max(min_chunk, tokens):
+            break
+        admitted += tokens
+    return chunk - admitted
+
+
 T = TypeVar("T")
 
 

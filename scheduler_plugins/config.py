@@ -27,6 +27,13 @@ class Mode(enum.StrEnum):
     PREFILL = "prefill"  # a P node: no decodes to protect; large chunks, earliest TTFT deadline first
 
 
+class StepTime(enum.StrEnum):
+    """Which time of a step the cost model learns (see ``scheduler_plugins.step_clock``)."""
+
+    CYCLE = "cycle"  # one iteration's begin to the next's: what a client waits for (API server work too)
+    FORWARD = "forward"  # the workers' forward pass and sampling only (the measure before issue 20)
+
+
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -46,6 +53,12 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # 32-token block of a deep prompt costs ~40 ms, so block alignment wasted up to a third of the budget.
     chunk_align_tokens: NonNegInt = 16
     log_interval_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    step_time: StepTime = StepTime.CYCLE
+    # A prefill under way leaves room in each step for waiting prompts that fit whole (budget.partial_share).
+    admit_during_prefill: bool = True
+    # Steps the cost model must have measured (prefill steps among them) before the scheduler judges
+    # whether the target can be held (logged once, then on every change of the verdict).
+    verdict_after_steps: Annotated[int, msgspec.Meta(ge=1)] = 32
 
     def chunk_align(self, block_size: int) -> int:
         """Granularity of prefill chunks: the KV block size unless set."""

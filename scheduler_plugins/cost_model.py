@@ -65,7 +65,8 @@ def attended_pairs(new_tokens: int, cached_tokens: int) -> float:
 
 def step_shape(rows: Iterable[tuple[int, int]]) -> StepShape:
     """The shape of a step from its rows ``(new tokens, tokens already cached)``: a row of one new token is a
-    decode, any other row's tokens are prefill tokens. Each engine adapter lists the rows of the step it ran."""
+    decode, any other row's tokens are prefill tokens. Each engine adapter lists the rows of the step it
+    ran."""
     prefill_tokens = decodes = 0
     pairs = 0.0
     for new, cached in rows:
@@ -99,6 +100,7 @@ class CostModel:
         self._prior_weight = prior_weight
         self._outlier_factor = outlier_factor
         self.observations = 0
+        self.prefill_observations = 0
 
     @property
     def coefficients_s(self) -> tuple[float, float, float, float]:
@@ -129,6 +131,7 @@ class CostModel:
             keep = trimmed
         self._theta = theta
         self.observations += 1
+        self.prefill_observations += bool(shape.prefill_tokens)
 
     def _solve(self, x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """argmin |y - x theta|^2 + w |theta - prior|^2 over theta >= 0 (w: ``prior_weight``)."""

@@ -14,8 +14,8 @@ Enabled with ``PD_SGLANG_SCHEDULER=slo`` in the SGLang server's environment: ``p
 - before ``run_batch`` and after ``process_batch_result``: the step's shape and its time (the forward pass and
   SGLang's handling of the result) are fed to the cost model.
 
-Piggybacking needs ``--enable-mixed-chunk``: without it SGLang runs prefill chunks as steps of their own and the
-decodes wait for the whole prompt whatever the chunk size, so the adapter refuses to start without it.
+Piggybacking needs ``--enable-mixed-chunk``: without it SGLang runs prefill chunks as steps of their own and
+the decodes wait for the whole prompt whatever the chunk size, so the adapter refuses to start without it.
 
 Failure policy: SGLang's scheduler must survive our bugs. Any exception in the adapter's per-step work is
 logged in one line and turns the adapter off for that scheduler: SGLang then runs with its own configured
@@ -70,8 +70,8 @@ class SLOChunker:
         self._last_target_ms = settings.itl_target_ms
 
     def chunked_prefill_size(self, view: compat.PrefillView) -> int | None:
-        """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is pending
-        (SGLang's value stays)."""
+        """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is
+        pending (SGLang's value stays)."""
         if view.candidate_cached is None:
             return None
         target_ms = min([self.slo.itl_target_ms, *(self._target_ms(p) for p in view.targets)])
@@ -153,7 +153,7 @@ def refusals(settings: SchedulerSettings, facts: compat.ServerFacts) -> list[str
     return problems
 
 
-# ---- the hooks (SGLang calls them; see compat.hook_scheduler for where) --------------------------------------
+# ---- the hooks (SGLang calls them; see compat.hook_scheduler for where) -------------------------------
 
 
 def init_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -216,8 +216,8 @@ def result_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None
 
 
 def register(env: Mapping[str, str] = os.environ) -> None:
-    """Called by ``pd_connector.sglang.plugin.register`` in each SGLang process; logs and returns on any problem
-    (a plugin that raises would stop SGLang's launcher)."""
+    """Called by ``pd_connector.sglang.plugin.register`` in each SGLang process; logs and returns on any
+    problem (a plugin that raises would stop SGLang's launcher)."""
     value = env.get(ENABLE_ENV, "")
     if not value:
         return

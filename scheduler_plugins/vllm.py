@@ -10,8 +10,13 @@ copy vLLM's scheduling loop; it sets the loop's inputs before delegating to it:
   ``budget.prefill_chunk`` (+ one token per remote KV load waiting, in decode mode), and the private copy of
   the scheduler config gets ``long_prefill_token_threshold = chunk``, so one prefill cannot take the decodes'
   share or the remote loads' reserve.
-- the time from the end of ``schedule()`` to the start of ``update_from_output()`` (the workers' forward
-  pass and sampling) is fed to the cost model with the step's shape.
+- each step's cost is fed to the cost model with the step's shape: by default its whole cycle, from the
+  start of ``schedule()`` to the start of the next one (``scheduler_plugins.step_clock`` says why), or, with
+  ``step_time=forward``, the time from the end of ``schedule()`` to the start of ``update_from_output()``
+  (the workers' forward pass and sampling).
+- once the model has measured ``verdict_after_steps`` steps, the scheduler judges whether the target can be
+  held (the decodes plus the minimum chunk predicted within ``headroom x target``) and says so in the log:
+  a WARNING when it cannot, an INFO when it can again.
 
 The chosen budget is logged (logger ``vllm.scheduler_plugins.vllm``) at most every ``log_interval_s`` and
 whenever the effective ITL target changes; the integration tests read it from the server log.
@@ -35,9 +40,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from pd_connector.vllm import compat
-from scheduler_plugins.budget import StepPlan, deadline_order, explain, prefill_chunk
-from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
+from scheduler_plugins.budget import StepPlan, deadline_order, explain, partial_share, prefill_chunk
+from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
+from scheduler_plugins.step_clock import Feasibility, StepClock, StepSample, StepStats, feasibility
 
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
 logger = init_logger(f"vllm.{__name__}")
@@ -70,13 +76,17 @@ class SLOScheduler(Scheduler):
         self._align = self.slo.chunk_align(compat.block_size(self))
         self._min_chunk = self.slo.min_chunk(compat.block_size(self))
         self.cost_model = CostModel()
-        self._in_flight: tuple[StepShape, float] | None = None
+        self._clock = StepClock()
+        self._stats = StepStats()
+        self._forward_end = 0.0
+        self.verdict: Feasibility | None = None  # the last one logged, for the target in _verdict_ms
+        self._verdict_ms = 0.0
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g headroom=%g chunk_align=%d "
-            "min_chunk=%d engine_cap=%d",
+            "min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
             self.slo.mode.value,
             self.slo.itl_target_ms,
             self.slo.ttft_target_ms,
@@ -84,6 +94,9 @@ class SLOScheduler(Scheduler):
             self._align,
             self._min_chunk,
             self._engine_cap,
+            self.slo.step_time.value,
+            _cores(0),
+            _cores(os.getppid()),  # vLLM's API server starts the EngineCore process
         )
 
     # --- per-request targets -------------------------------------------------------------------------
@@ -105,6 +118,7 @@ class SLOScheduler(Scheduler):
 
     # --- the step --------------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        self._observe(self._clock.begin(time.perf_counter(), time.process_time()))
         running = compat.running(self)
         decodes = [r for r in running if compat.is_decode(r)]
         prefills = [r for r in running if not compat.is_decode(r)]
@@ -120,19 +134,27 @@ class SLOScheduler(Scheduler):
             self._plan_step(decodes, prefills)
         compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)
-        self._in_flight = (
-            (self._shape_of(output), time.perf_counter()) if output.total_num_scheduled_tokens else None
-        )
+        shape = self._shape_of(output) if output.total_num_scheduled_tokens else None
+        predicted = self.cost_model.predict(shape) if shape is not None else 0.0
+        self._clock.scheduled(shape, predicted, time.perf_counter())
         return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        if self._in_flight is not None:
-            shape, started = self._in_flight
-            self.cost_model.observe(shape, time.perf_counter() - started)
-            self._in_flight = None
-        return super().update_from_output(scheduler_output, model_runner_output)
+        forward_end = time.perf_counter()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # vLLM's busy loop steps again at once while the scheduler has requests (EngineCore.step).
+        more = self.has_requests()
+        self._observe(self._clock.updated(forward_end, time.perf_counter(), time.process_time(), more))
+        return outputs
+
+    def _observe(self, sample: StepSample | None) -> None:
+        if sample is None:
+            return
+        cycle = self.slo.step_time is StepTime.CYCLE
+        self.cost_model.observe(sample.shape, sample.cycle_s if cycle else sample.forward_s)
+        self._stats.add(sample)
 
     def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> None:
         """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node)."""
@@ -145,7 +167,7 @@ class SLOScheduler(Scheduler):
         if candidate is None:
             self._set_budget(self._engine_cap, self._user_long_prefill)
             return
-        # The strictest ITL target among the requests in the step (the chunk's owner included: it decodes next).
+        # The strictest ITL target among the step's requests (the chunk's owner too: it decodes next).
         target_ms = min(
             self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms) for r in [*decodes, candidate]
         )
@@ -157,33 +179,93 @@ class SLOScheduler(Scheduler):
         )
         limit_s = target_ms / 1e3 * self.slo.headroom
         chunk = prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk)
+        self._judge(plan, limit_s, target_ms)
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
-        threshold = min(chunk, self._user_long_prefill) if self._user_long_prefill else chunk
+        # A prefill under way leaves room in its step for waiting prompts that fit (a new stream's prompt).
+        share = (
+            partial_share(chunk, (compat.pending_tokens(r) for r in local_waiting), self._min_chunk)
+            if prefills and self.slo.admit_during_prefill
+            else chunk
+        )
+        threshold = min(share, self._user_long_prefill) if self._user_long_prefill else share
         self._set_budget(max(1, budget), max(1, threshold))
-        self._log_budget(target_ms, chunk, plan, limit_s)
+        self._log_budget(target_ms, chunk, share, plan, limit_s)
+
+    def _judge(self, plan: StepPlan, limit_s: float, target_ms: float) -> None:
+        """Say in the log whether the target can be held, once the model has measured enough steps: the
+        first verdict, then whenever it or the effective target changes."""
+        if (
+            self.cost_model.observations < self.slo.verdict_after_steps
+            or not self.cost_model.prefill_observations
+        ):
+            return
+        verdict = feasibility(self.cost_model.predict(plan.shape(self._min_chunk)), limit_s)
+        if self.verdict is not None and (verdict.holds, target_ms) == (self.verdict.holds, self._verdict_ms):
+            return
+        self.verdict, self._verdict_ms = verdict, target_ms
+        if verdict.holds:
+            logger.info(
+                "SLOScheduler target holds: itl_target_ms=%g; %d decodes + a %d-token chunk predicted "
+                "%.1f ms <= limit %.1f ms",
+                target_ms,
+                plan.decodes,
+                self._min_chunk,
+                verdict.floor_ms,
+                verdict.limit_ms,
+            )
+            return
+        logger.warning(
+            "SLOScheduler cannot hold itl_target_ms=%g here: %d decodes + the minimum %d-token chunk are "
+            "predicted at %.1f ms > limit %.1f ms (%s); every step still prefills %d tokens (no starvation), "
+            "so gaps will exceed the target: raise the target, run fewer streams, or give the engine (and "
+            "the API server) more cores",
+            target_ms,
+            plan.decodes,
+            self._min_chunk,
+            verdict.floor_ms,
+            verdict.limit_ms,
+            explain(self.cost_model, plan, self._min_chunk, limit_s),
+            self._min_chunk,
+        )
 
     def _set_budget(self, budget: int, long_prefill_threshold: int) -> None:
         compat.set_token_budget(self, budget, long_prefill_threshold)
         self.current_budget = budget
 
-    def _log_budget(self, target_ms: float, chunk: int, plan: StepPlan, limit_s: float) -> None:
+    def _log_budget(self, target_ms: float, chunk: int, share: int, plan: StepPlan, limit_s: float) -> None:
         now = time.monotonic()
         changed = target_ms != self._last_target_ms
         if not changed and now - self._last_log < self.slo.log_interval_s:
             return
         self._last_log, self._last_target_ms = now, target_ms
         logger.info(
-            "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d %s",
+            "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d under_way=%d %s %s",
             target_ms,
             chunk,
             self.current_budget,
+            share,
             explain(self.cost_model, plan, chunk, limit_s),
+            self._stats.summary(),
         )
 
     def _shape_of(self, output: SchedulerOutput) -> StepShape:
-        """The step's shape, read after the parent advanced ``num_computed_tokens`` by the scheduled tokens."""
+        """The step's shape, read after the parent advanced ``num_computed_tokens`` by the scheduled
+        tokens."""
         rows = []
         for req_id, n in output.num_scheduled_tokens.items():
             request = compat.scheduled_request(self, req_id)
             rows.append((n, (compat.computed_tokens(request) - n) if request is not None else 0))
         return step_shape(rows)
+
+
+def _cores(pid: int) -> str:
+    """The CPUs ``pid`` may run on, as a compact list (``0-1``), for the start-up line."""
+    try:
+        cpus = sorted(os.sched_getaffinity(pid))
+    except OSError:
+        return "?"
+    return (
+        f"{cpus[0]}-{cpus[-1]}"
+        if cpus == list(range(cpus[0], cpus[-1] + 1)) and len(cpus) > 1
+        else (",".join(map(str, cpus)))
+    )

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.scheduler import Stream, Workload, holds_target, search_static, summarize
+from benchmarks.scheduler_report import process_cpu_s
 
 
 def test_window_gaps_worst_gap_and_ttft() -> None:
@@ -67,3 +72,23 @@ def test_static_search_is_bounded_by_tries() -> None:
     ran: list[int] = []
     search_static(_fake_run(16, ran), 128, 100.0, tries=3)
     assert ran == [128, 112, 96]
+
+
+def test_process_cpu_counts_the_server_and_its_children_by_name() -> None:
+    """A child that burned 0.3 s of CPU is counted under its process name, the root under ``api_server``."""
+    burn = (
+        "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('x')\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"x\n"  # it has burned its 0.3 s
+        cpu = process_cpu_s(os.getpid())
+        comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
+        assert cpu[comm] >= 0.29
+        assert cpu["api_server"] == pytest.approx(sum(os.times()[:2]), abs=0.05)
+    finally:
+        child.communicate(b"", timeout=30)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_plugins.budget import StepPlan, deadline_order, prefill_chunk
+from scheduler_plugins.budget import StepPlan, deadline_order, partial_share, prefill_chunk
 from scheduler_plugins.cost_model import CostModel, StepShape
 
 # A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode; attention free (d=0) for exact arithmetic.
@@ -200,3 +200,30 @@ def test_edf_is_starvation_free_with_bounded_targets() -> None:
         served.append(waiting.pop(0).name)
     assert "relaxed" in served
     assert served.index("relaxed") <= 5
+
+
+def test_partial_share_admits_waiting_prompts_that_fit() -> None:
+    # A 32-token prompt fits an 80-token chunk next to the prompt under way (48 left for it).
+    assert partial_share(80, [32], min_chunk=16) == 48
+    # FCFS: the second prompt does not fit, so the third is not looked at either.
+    assert partial_share(80, [16, 64, 8], min_chunk=16) == 64
+    # Nothing waiting, or nothing that fits: the prompt under way takes the whole chunk.
+    assert partial_share(80, [], min_chunk=16) == 80
+    assert partial_share(80, [2000], min_chunk=16) == 80
+
+
+def test_partial_share_keeps_the_floor_and_each_admitted_prompt_whole() -> None:
+    # 48 - 32 = 16 would be left, but the engine's one per-request cap would then cut the 32-token prompt.
+    assert partial_share(48, [32], min_chunk=16) == 48
+    assert partial_share(64, [32], min_chunk=16) == 32  # exactly fits: share == the admitted prompt
+    # The floor: the prompt under way always gets at least min_chunk.
+    assert partial_share(32, [16], min_chunk=16) == 16
+    assert partial_share(16, [8], min_chunk=16) == 16
+    for chunk in range(16, 200, 16):
+        for prompts in ([8], [8, 8], [20, 40], [100], [15, 15, 15]):
+            share = partial_share(chunk, prompts, min_chunk=16)
+            assert share >= 16
+            # What is left over is a whole FCFS prefix of the prompts, each no larger than the share.
+            prefixes = [prompts[:n] for n in range(len(prompts) + 1)]
+            taken = next(p for p in prefixes if sum(p) == chunk - share)
+            assert all(tokens <= share for tokens in taken)

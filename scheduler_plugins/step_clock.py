@@ -1,0 +1,123 @@
+"""What one engine iteration costs as a client sees it, and whether the ITL target can be held at all.
+
+Called in the engine's scheduler process by an adapter (``scheduler_plugins.vllm``) at three points of every
+iteration: when it starts building a step (``begin``), when the step is handed to the workers
+(``scheduled``), and when the step's output has been handled (``updated``).
+
+Why the whole cycle and not the forward pass: a client sees one token per iteration, and an iteration is the
+forward pass plus the scheduler's own work, the engine's output handling, and, when the API server runs on
+the engine's core, the API server's per-token work (detokenizing, HTTP), which takes the core away from the
+engine between and during steps. Measured on one core (docs/performance.md ``## scheduler``), the forward pass
+alone left that out and the cost model under-predicted the gaps clients saw. So a step's cost is the time
+from its ``begin`` to the next step's ``begin`` when the engine loops straight on (it had work left), and
+from ``begin`` to ``updated`` when the engine goes idle after it (the idle wait is not the step's cost).
+
+``StepStats`` keeps the figures of the steps between two log lines (forward, cycle, the process's CPU time
+over the cycle, and the cycle against the prediction) so the server log shows where the time goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler_plugins.cost_model import StepShape
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured iteration (seconds)."""
+
+    shape: StepShape
+    predicted_s: float  # the cost model's prediction for this shape when the step was built
+    forward_s: float  # handed to the workers -> output back (the forward pass and sampling)
+    cycle_s: float  # begin -> next begin (engine looped on), or begin -> output handled (engine went idle)
+    cpu_s: float  # the scheduler process's CPU time (all its threads) over the cycle
+
+
+class StepClock:
+    """Pairs each step's timestamps; ``begin`` and ``updated`` return the step they complete, if any."""
+
+    def __init__(self) -> None:
+        self._begin: tuple[float, float] | None = None  # (wall, cpu) when the step being built started
+        self._step: tuple[StepShape, float, float, float, float] | None = (
+            None  # shape, pred, begin, cpu, sent
+        )
+        self._done: tuple[StepShape, float, float, float, float] | None = None  # shape, pred, begin, cpu, fwd
+
+    def begin(self, now: float, cpu: float) -> StepSample | None:
+        """A new iteration starts building its step: completes the previous step if the engine looped on."""
+        sample = None
+        if self._done is not None:
+            shape, predicted, began, cpu0, forward = self._done
+            sample = StepSample(shape, predicted, forward, now - began, cpu - cpu0)
+            self._done = None
+        self._begin = (now, cpu)
+        return sample
+
+    def scheduled(self, shape: StepShape | None, predicted_s: float, now: float) -> None:
+        """The step was built (``shape`` None: nothing to run, so nothing to measure)."""
+        if shape is None or self._begin is None:
+            self._step = None
+        else:
+            self._step = (shape, predicted_s, *self._begin, now)
+        self._begin = None
+
+    def updated(self, forward_end: float, now: float, cpu: float, more_work: bool) -> StepSample | None:
+        """The step's output was handled. ``forward_end``: when the output came back from the workers.
+        ``more_work``: the engine loops straight into the next step (so the cycle ends at its ``begin``)."""
+        if self._step is None:
+            return None
+        shape, predicted, began, cpu0, sent = self._step
+        self._step = None
+        forward = forward_end - sent
+        if more_work:
+            self._done = (shape, predicted, began, cpu0, forward)
+            return None
+        return StepSample(shape, predicted, forward, now - began, cpu - cpu0)
+
+
+@dataclass
+class StepStats:
+    """The steps measured since the last log line, summarised for it."""
+
+    samples: list[StepSample] = field(default_factory=list)
+
+    def add(self, sample: StepSample) -> None:
+        self.samples.append(sample)
+
+    def summary(self) -> str:
+        """``steps=N forward_ms=p50/max cycle_ms=p50/max cpu_share=.. cycle/predicted=p50/max``; then reset.
+
+        ``cpu_share``: the scheduler's process's CPU time (all its threads) over the steps' wall time. On
+        vLLM CPU the model runs in a worker process of its own, so this is what the scheduler's process
+        itself burns per step, its wait for the worker's output included: on a core it shares with the
+        worker, that share is taken from the forward pass."""
+        if not self.samples:
+            return "steps=0"
+        forward = np.array([s.forward_s for s in self.samples]) * 1e3
+        cycle = np.array([s.cycle_s for s in self.samples]) * 1e3
+        cpu = sum(s.cpu_s for s in self.samples)
+        ratio = np.array([s.cycle_s / s.predicted_s for s in self.samples if s.predicted_s > 0])
+        text = (
+            f"steps={len(self.samples)} forward_ms={np.median(forward):.1f}/{forward.max():.1f} "
+            f"cycle_ms={np.median(cycle):.1f}/{cycle.max():.1f} cpu_share={cpu / (cycle.sum() / 1e3):.2f}"
+        )
+        if ratio.size:
+            text += f" cycle/predicted={np.median(ratio):.2f}/{ratio.max():.2f}"
+        self.samples.clear()
+        return text
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    """Whether the target can be held: the cheapest step that still moves a prefill on, as predicted."""
+
+    holds: bool
+    floor_ms: float  # predicted ms of the step with the decodes and the minimum chunk
+    limit_ms: float  # what the step may take (headroom x target)
+
+
+def feasibility(predicted_floor_s: float, limit_s: float) -> Feasibility:
+    return Feasibility(predicted_floor_s <= limit_s, predicted_floor_s * 1e3, limit_s * 1e3)

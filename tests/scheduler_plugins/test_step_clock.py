@@ -1,0 +1,83 @@
+"""A step's cost is its whole cycle when the engine loops on, and the target verdict compares the cheapest
+step that moves a prefill with the limit (hand-made timestamps; no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_plugins.config import SchedulerSettings, StepTime, load_settings
+from scheduler_plugins.cost_model import CostModel, StepShape
+from scheduler_plugins.step_clock import StepClock, StepStats, feasibility
+
+SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
+
+
+def test_cycle_runs_to_the_next_begin_when_the_engine_loops_on() -> None:
+    clock = StepClock()
+    assert clock.begin(now=10.000, cpu=1.0) is None  # nothing measured before the first step
+    clock.scheduled(SHAPE, predicted_s=0.050, now=10.002)
+    assert clock.updated(forward_end=10.060, now=10.065, cpu=1.05, more_work=True) is None  # not closed yet
+    # The API server had the core for 30 ms before the engine began the next step: that is the step's cost.
+    sample = clock.begin(now=10.095, cpu=1.06)
+    assert sample is not None and sample.shape == SHAPE and sample.predicted_s == 0.050
+    assert sample.forward_s == pytest.approx(0.058)
+    assert sample.cycle_s == pytest.approx(0.095)
+    assert sample.cpu_s == pytest.approx(0.06)
+    assert clock.begin(now=10.2, cpu=1.1) is None  # each step is reported once
+
+
+def test_cycle_ends_at_the_update_when_the_engine_goes_idle() -> None:
+    clock = StepClock()
+    clock.begin(now=0.0, cpu=0.0)
+    clock.scheduled(SHAPE, predicted_s=0.05, now=0.001)
+    sample = clock.updated(forward_end=0.040, now=0.042, cpu=0.04, more_work=False)
+    assert sample is not None and sample.cycle_s == pytest.approx(0.042)  # the idle wait is not counted
+    assert clock.begin(now=5.0, cpu=0.05) is None
+
+
+def test_an_empty_step_is_not_measured() -> None:
+    clock = StepClock()
+    clock.begin(now=0.0, cpu=0.0)
+    clock.scheduled(None, predicted_s=0.0, now=0.001)
+    assert clock.updated(forward_end=0.002, now=0.003, cpu=0.0, more_work=True) is None
+    assert clock.begin(now=0.004, cpu=0.0) is None
+
+
+def test_stats_summarise_and_reset() -> None:
+    clock, stats = StepClock(), StepStats()
+    t = 0.0
+    for cycle in (0.080, 0.100, 0.120):
+        clock.begin(now=t, cpu=t / 2)
+        clock.scheduled(SHAPE, predicted_s=0.080, now=t)
+        clock.updated(forward_end=t + 0.05, now=t + 0.06, cpu=t / 2, more_work=True)
+        t += cycle
+        sample = clock.begin(now=t, cpu=t / 2)
+        assert sample is not None
+        stats.add(sample)
+    text = stats.summary()
+    assert "steps=3 forward_ms=50.0/50.0 cycle_ms=100.0/120.0 cpu_share=0.50" in text
+    assert "cycle/predicted=1.25/1.50" in text
+    assert stats.summary() == "steps=0"
+
+
+def test_feasibility_at_the_limit() -> None:
+    assert feasibility(0.085, 0.085).holds
+    over = feasibility(0.0851, 0.085)
+    assert not over.holds and over.floor_ms == pytest.approx(85.1) and over.limit_ms == pytest.approx(85.0)
+
+
+def test_step_time_setting() -> None:
+    assert SchedulerSettings().step_time is StepTime.CYCLE
+    assert load_settings({"PD_SCHED_STEP_TIME": "forward"}, None).step_time is StepTime.FORWARD
+    with pytest.raises(ValueError, match="step_time"):
+        load_settings({"PD_SCHED_STEP_TIME": "wall"}, None)
+    with pytest.raises(ValueError, match="verdict_after_steps"):
+        load_settings({"PD_SCHED_VERDICT_AFTER_STEPS": "0"}, None)
+
+
+def test_cost_model_counts_prefill_steps() -> None:
+    model = CostModel()
+    model.observe(StepShape(prefill_tokens=0, decodes=4, attended_context=100.0), 0.03)
+    model.observe(SHAPE, 0.08)
+    model.observe(SHAPE, float("nan"))  # ignored
+    assert (model.observations, model.prefill_observations) == (2, 1)
