@@ -64,7 +64,8 @@ class Parsed(msgspec.Struct):
     prompt_tokens: int
     max_tokens: int | None
     stream: bool
-    # A single choice from a text prompt: a broken decode stream can be continued on another worker.
+    # A single choice from one prompt (text, token ids or chat): a broken decode stream can be continued on
+    # another worker.
     resumable: bool
     recount: Callable[[], Awaitable[int]] | None = None
     # The token ids the engine will see, for KV-aware routing: one prompt counted exactly (None for a prompt
@@ -250,7 +251,7 @@ async def parse(
         prompt = req.prompt
         prompts, special = _prompts(prompt), True
         # echo puts the prompt into the stream: the text so far would not be the continuation point.
-        resumable = isinstance(prompt, str) and req.n == 1 and not body.get("echo")
+        resumable = (isinstance(prompt, str) or _is_ids(prompt)) and req.n == 1 and not body.get("echo")
     else:
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")

@@ -197,10 +197,14 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
             return None
         body["max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"] = left
     if parsed.kind == "completions":
-        if state.prompt_ids is not None and state.ids is not None:
-            body["prompt"] = state.prompt_ids + state.ids  # token-exact: no re-tokenization at the seam
+        prompt = body["prompt"]
+        if state.ids is not None and (state.prompt_ids is not None or isinstance(prompt, list)):
+            # token-exact: no re-tokenization at the seam (a token-id prompt is its own ids)
+            body["prompt"] = (state.prompt_ids if state.prompt_ids is not None else prompt) + state.ids
+        elif isinstance(prompt, str):
+            body["prompt"] = prompt + so_far
         else:
-            body["prompt"] = body["prompt"] + so_far
+            raise Unresumable("a token-id prompt continues from token ids, and the worker streamed none")
         return body
     ids = state.ids
     prompt_ids = state.prompt_ids if state.prompt_ids is not None else parsed.prompt_ids
