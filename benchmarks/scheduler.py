@@ -21,11 +21,12 @@ Reported per configuration (all from the measurement window, after a warm-up lon
   front end; the others by process name, e.g. ``VLLM::EngineCor`` (the scheduler's process) and
   ``VLLM::Worker`` (the model's)): which process had the cores.
 
-Defaults (the configuration docs/performance.md ``## scheduler`` quotes): the model's OpenMP threads on core
-1 (``--cores 1``; vLLM's CPU backend also keeps a core for its other processes), a 75 s window (~9 long
-prompts: a 45 s window had 2 per configuration, too few for a TTFT median), and 2 static runs, so the 4
-servers of a default run fit one 15-minute slot of the shared engine lock. ``--ours-variant`` adds runs of
-ours with settings changed (the behaviour before issue 20: ``step_time=forward,admit_during_prefill=false``).
+Defaults (the configuration docs/performance.md ``## scheduler`` quotes): the model's OpenMP threads on
+core 1 (``--cores 1``: like vLLM's automatic CPU binding, it leaves a core to the server's other processes),
+a 75 s window (the seeded schedule sends 4 long prompts in it; a 45 s window had 2, too few for a TTFT
+median), and 2 static runs, so the 4 servers of a default run fit one 15-minute slot of the shared engine
+lock. ``--ours-variant`` adds runs of ours with settings changed (the behaviour before issue 20:
+``step_time=forward,admit_during_prefill=false``).
 
 ``static_best``: the largest static per-step budget that holds the target (window p99 and p99 <=
 the target), searched in steps of 16 tokens from an estimate derived from the default run (decode step time
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         "--duration",
         type=float,
         default=75.0,
-        help="measurement window per config (s); 75 s: ~9 long prompts at the default rate",
+        help="measurement window per config (s); 75 s: 4 long prompts with the default rate and seed",
     )
     parser.add_argument("--cores", default="1", help="CPU cores of the server's OpenMP threads (0-1, 1, ...)")
     parser.add_argument(

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler_plugins.step_clock import RunQueueWait
+
 
 def process_cpu_s(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the server's own process (``api_server``: vLLM's front end)
     and of its descendants, summed by process name (vLLM names them: ``VLLM::EngineCor``, ``VLLM::Worker``,
-    ...), from ``/proc``: which process had the cores."""
+    ...), from ``/proc``: which process had the cores; and, as ``<name> wait``, the seconds their threads
+    spent runnable but waiting for a CPU (``schedstat``): how much other processes kept them off."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, cpu, name = {}, {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -32,9 +35,10 @@ def process_cpu_s(root: int) -> dict[str, float]:
                 return True
         return False
 
-    out = {"api_server": cpu.get(root, 0.0)}
+    out = {"api_server": cpu.get(root, 0.0), "api_server wait": RunQueueWait([root]).seconds()}
     for pid in filter(under, cpu):
         out[name[pid]] = out.get(name[pid], 0.0) + cpu[pid]
+        out[f"{name[pid]} wait"] = out.get(f"{name[pid]} wait", 0.0) + RunQueueWait([pid]).seconds()
     return out
 
 

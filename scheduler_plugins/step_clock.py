@@ -13,12 +13,17 @@ from its ``begin`` to the next step's ``begin`` when the engine loops straight o
 from ``begin`` to ``updated`` when the engine goes idle after it (the idle wait is not the step's cost).
 
 ``StepStats`` keeps the figures of the steps between two log lines (forward, cycle, the process's CPU time
-over the cycle, and the cycle against the prediction) so the server log shows where the time goes.
+over the cycle, the cycle against the prediction, and how long the model's workers waited for a CPU during
+the forward pass) so the server log shows where the time goes. ``RunQueueWait`` reads that wait from Linux's
+``/proc/<pid>/task/<tid>/schedstat`` (time spent runnable but not running): a step that took longer than
+predicted while the workers waited was slowed by other processes on their cores, not by the cost model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -34,6 +39,7 @@ class StepSample:
     forward_s: float  # handed to the workers -> output back (the forward pass and sampling)
     cycle_s: float  # begin -> next begin (engine looped on), or begin -> output handled (engine went idle)
     cpu_s: float  # the scheduler process's CPU time (all its threads) over the cycle
+    worker_wait_s: float = 0.0  # the workers' threads' wait for a CPU during the forward pass (summed)
 
 
 class StepClock:
@@ -41,41 +47,44 @@ class StepClock:
 
     def __init__(self) -> None:
         self._begin: tuple[float, float] | None = None  # (wall, cpu) when the step being built started
-        self._step: tuple[StepShape, float, float, float, float] | None = (
-            None  # shape, pred, begin, cpu, sent
-        )
-        self._done: tuple[StepShape, float, float, float, float] | None = None  # shape, pred, begin, cpu, fwd
+        # shape, prediction, begin wall, begin cpu, then: sent + workers' wait at sent / forward + their wait
+        self._step: tuple[StepShape, float, float, float, float, float] | None = None
+        self._done: tuple[StepShape, float, float, float, float, float] | None = None
 
     def begin(self, now: float, cpu: float) -> StepSample | None:
         """A new iteration starts building its step: completes the previous step if the engine looped on."""
         sample = None
         if self._done is not None:
-            shape, predicted, began, cpu0, forward = self._done
-            sample = StepSample(shape, predicted, forward, now - began, cpu - cpu0)
+            shape, predicted, began, cpu0, forward, wait = self._done
+            sample = StepSample(shape, predicted, forward, now - began, cpu - cpu0, wait)
             self._done = None
         self._begin = (now, cpu)
         return sample
 
-    def scheduled(self, shape: StepShape | None, predicted_s: float, now: float) -> None:
-        """The step was built (``shape`` None: nothing to run, so nothing to measure)."""
+    def scheduled(self, shape: StepShape | None, predicted_s: float, now: float, wait_s: float = 0.0) -> None:
+        """The step was built (``shape`` None: nothing to run, so nothing to measure). ``wait_s``: the
+        workers' total wait for a CPU so far (``RunQueueWait.seconds``)."""
         if shape is None or self._begin is None:
             self._step = None
         else:
-            self._step = (shape, predicted_s, *self._begin, now)
+            self._step = (shape, predicted_s, *self._begin, now, wait_s)
         self._begin = None
 
-    def updated(self, forward_end: float, now: float, cpu: float, more_work: bool) -> StepSample | None:
-        """The step's output was handled. ``forward_end``: when the output came back from the workers.
-        ``more_work``: the engine loops straight into the next step (so the cycle ends at its ``begin``)."""
+    def updated(
+        self, forward_end: float, now: float, cpu: float, more_work: bool, wait_s: float = 0.0
+    ) -> StepSample | None:
+        """The step's output was handled. ``forward_end``: when the output came back from the workers (and
+        ``wait_s`` their total wait for a CPU then). ``more_work``: the engine loops straight into the next
+        step (so the cycle ends at its ``begin``)."""
         if self._step is None:
             return None
-        shape, predicted, began, cpu0, sent = self._step
+        shape, predicted, began, cpu0, sent, wait0 = self._step
         self._step = None
-        forward = forward_end - sent
+        forward, wait = forward_end - sent, max(0.0, wait_s - wait0)
         if more_work:
-            self._done = (shape, predicted, began, cpu0, forward)
+            self._done = (shape, predicted, began, cpu0, forward, wait)
             return None
-        return StepSample(shape, predicted, forward, now - began, cpu - cpu0)
+        return StepSample(shape, predicted, forward, now - began, cpu - cpu0, wait)
 
 
 @dataclass
@@ -87,8 +96,14 @@ class StepStats:
     def add(self, sample: StepSample) -> None:
         self.samples.append(sample)
 
+    def worker_wait_share(self) -> float:
+        """The workers' wait for a CPU over the steps' wall time (0 when they had their cores)."""
+        cycle = sum(s.cycle_s for s in self.samples)
+        return sum(s.worker_wait_s for s in self.samples) / cycle if cycle > 0 else 0.0
+
     def summary(self) -> str:
-        """``steps=N forward_ms=p50/max cycle_ms=p50/max cpu_share=.. cycle/predicted=p50/max``; then reset.
+        """``steps=N forward_ms=p50/max cycle_ms=p50/max cpu_share=.. worker_wait_ms=p50/max
+        worker_wait_share=.. cycle/predicted=p50/max``; then reset.
 
         ``cpu_share``: the scheduler's process's CPU time (all its threads) over the steps' wall time. On
         vLLM CPU the model runs in a worker process of its own, so this is what the scheduler's process
@@ -100,14 +115,54 @@ class StepStats:
         cycle = np.array([s.cycle_s for s in self.samples]) * 1e3
         cpu = sum(s.cpu_s for s in self.samples)
         ratio = np.array([s.cycle_s / s.predicted_s for s in self.samples if s.predicted_s > 0])
+        wait = np.array([s.worker_wait_s for s in self.samples]) * 1e3
         text = (
             f"steps={len(self.samples)} forward_ms={np.median(forward):.1f}/{forward.max():.1f} "
-            f"cycle_ms={np.median(cycle):.1f}/{cycle.max():.1f} cpu_share={cpu / (cycle.sum() / 1e3):.2f}"
+            f"cycle_ms={np.median(cycle):.1f}/{cycle.max():.1f} cpu_share={cpu / (cycle.sum() / 1e3):.2f} "
+            f"worker_wait_ms={np.median(wait):.1f}/{wait.max():.1f} "
+            f"worker_wait_share={self.worker_wait_share():.3f}"
         )
         if ratio.size:
             text += f" cycle/predicted={np.median(ratio):.2f}/{ratio.max():.2f}"
         self.samples.clear()
         return text
+
+
+class RunQueueWait:
+    """Seconds the threads of some processes have spent runnable but waiting for a CPU (Linux schedstat).
+
+    ``seconds()`` sums the second field of ``/proc/<pid>/task/<tid>/schedstat`` over their threads. The
+    thread list is read once and again when a thread is gone; where ``/proc`` lacks schedstat it reads 0.
+    """
+
+    def __init__(self, pids: Iterable[int], proc: Path = Path("/proc")) -> None:
+        self._pids = list(pids)
+        self._proc = proc
+        self._paths: list[Path] | None = None
+
+    @staticmethod
+    def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
+        """The child processes of ``pid`` (e.g. vLLM's model workers, children of the EngineCore)."""
+        out: list[int] = []
+        for path in (proc / str(pid) / "task").glob("*/children"):
+            try:
+                out += [int(c) for c in path.read_text().split()]
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def seconds(self) -> float:
+        if self._paths is None:
+            self._paths = [
+                p for pid in self._pids for p in (self._proc / str(pid) / "task").glob("*/schedstat")
+            ]
+        total = 0
+        for path in self._paths:
+            try:
+                total += int(path.read_text().split()[1])
+            except (OSError, ValueError, IndexError):
+                self._paths = None  # a thread ended (or no schedstat): list them again next time
+        return total / 1e9
 
 
 @dataclass(frozen=True)

@@ -43,12 +43,22 @@ from pd_connector.vllm import compat
 from scheduler_plugins.budget import StepPlan, deadline_order, explain, partial_share, prefill_chunk
 from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
-from scheduler_plugins.step_clock import Feasibility, StepClock, StepSample, StepStats, feasibility
+from scheduler_plugins.step_clock import (
+    Feasibility,
+    RunQueueWait,
+    StepClock,
+    StepSample,
+    StepStats,
+    feasibility,
+)
 
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
 logger = init_logger(f"vllm.{__name__}")
 
 ITL_TARGET_ARG = "itl_target_ms"
+# Workers waiting for a CPU this share of the steps' time: other processes run on the model's cores.
+WAIT_WARNING_SHARE = 0.05
+WAIT_WARNING_INTERVAL_S = 60.0
 TTFT_TARGET_ARG = "ttft_target_ms"
 
 
@@ -78,7 +88,8 @@ class SLOScheduler(Scheduler):
         self.cost_model = CostModel()
         self._clock = StepClock()
         self._stats = StepStats()
-        self._forward_end = 0.0
+        self._workers = RunQueueWait(RunQueueWait.children(os.getpid()))  # built after the executor
+        self._last_wait_warning = -WAIT_WARNING_INTERVAL_S
         self.verdict: Feasibility | None = None  # the last one logged, for the target in _verdict_ms
         self._verdict_ms = 0.0
         self._last_log = 0.0
@@ -136,17 +147,18 @@ class SLOScheduler(Scheduler):
         output = super().schedule(throttle_prefills)
         shape = self._shape_of(output) if output.total_num_scheduled_tokens else None
         predicted = self.cost_model.predict(shape) if shape is not None else 0.0
-        self._clock.scheduled(shape, predicted, time.perf_counter())
+        self._clock.scheduled(shape, predicted, time.perf_counter(), self._workers.seconds())
         return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
-        forward_end = time.perf_counter()
+        forward_end, wait = time.perf_counter(), self._workers.seconds()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         # vLLM's busy loop steps again at once while the scheduler has requests (EngineCore.step).
         more = self.has_requests()
-        self._observe(self._clock.updated(forward_end, time.perf_counter(), time.process_time(), more))
+        now = time.perf_counter()
+        self._observe(self._clock.updated(forward_end, now, time.process_time(), more, wait))
         return outputs
 
     def _observe(self, sample: StepSample | None) -> None:
@@ -238,6 +250,15 @@ class SLOScheduler(Scheduler):
         if not changed and now - self._last_log < self.slo.log_interval_s:
             return
         self._last_log, self._last_target_ms = now, target_ms
+        waited = self._stats.worker_wait_share()
+        if waited > WAIT_WARNING_SHARE and now - self._last_wait_warning >= WAIT_WARNING_INTERVAL_S:
+            self._last_wait_warning = now
+            logger.warning(
+                "SLOScheduler: the model's workers waited for a CPU %.0f%% of the last steps' time (other "
+                "processes run on their cores): those steps take longer than measured alone, and gaps can "
+                "exceed the target; give the workers cores of their own (VLLM_CPU_OMP_THREADS_BIND)",
+                waited * 100,
+            )
         logger.info(
             "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d under_way=%d %s %s",
             target_ms,

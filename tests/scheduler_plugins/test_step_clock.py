@@ -3,11 +3,14 @@ step that moves a prefill with the limit (hand-made timestamps; no engine)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from scheduler_plugins.config import SchedulerSettings, StepTime, load_settings
 from scheduler_plugins.cost_model import CostModel, StepShape
-from scheduler_plugins.step_clock import StepClock, StepStats, feasibility
+from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepStats, feasibility
 
 SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
 
@@ -81,3 +84,34 @@ def test_cost_model_counts_prefill_steps() -> None:
     model.observe(SHAPE, 0.08)
     model.observe(SHAPE, float("nan"))  # ignored
     assert (model.observations, model.prefill_observations) == (2, 1)
+
+
+def test_run_queue_wait_sums_the_threads_of_the_processes(tmp_path: Path) -> None:
+    """A fake /proc: two threads of process 7 (the worker), a child list on the parent's thread."""
+    for tid, waited_ns in (("7", 2_000_000), ("8", 500_000)):
+        (tmp_path / "7" / "task" / tid).mkdir(parents=True)
+        (tmp_path / "7" / "task" / tid / "schedstat").write_text(f"123 {waited_ns} 4\n")
+    (tmp_path / "5" / "task" / "5").mkdir(parents=True)
+    (tmp_path / "5" / "task" / "5" / "children").write_text("7 ")
+    assert RunQueueWait.children(5, tmp_path) == [7]
+    wait = RunQueueWait([7], tmp_path)
+    assert wait.seconds() == pytest.approx(0.0025)
+    (tmp_path / "7" / "task" / "8" / "schedstat").unlink()  # a thread ended: counted without it
+    wait.seconds()
+    assert wait.seconds() == pytest.approx(0.002)
+    assert RunQueueWait([99], tmp_path).seconds() == 0.0  # no such process: nothing waited
+
+
+def test_run_queue_wait_reads_this_process() -> None:
+    assert RunQueueWait([os.getpid()]).seconds() >= 0.0
+
+
+def test_worker_wait_is_the_forward_pass_share_and_reaches_the_summary() -> None:
+    clock, stats = StepClock(), StepStats()
+    clock.begin(now=0.0, cpu=0.0)
+    clock.scheduled(SHAPE, predicted_s=0.05, now=0.0, wait_s=1.000)
+    sample = clock.updated(forward_end=0.08, now=0.1, cpu=0.1, more_work=False, wait_s=1.030)
+    assert sample is not None and sample.worker_wait_s == pytest.approx(0.030)
+    stats.add(sample)
+    assert stats.worker_wait_share() == pytest.approx(0.3)
+    assert "worker_wait_ms=30.0/30.0 worker_wait_share=0.300" in stats.summary()
