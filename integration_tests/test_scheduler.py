@@ -159,6 +159,9 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
         assert during, "a decode stream froze for the whole prefill of the long prompt"
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line[0] == 1]
     assert overloaded and {chunk for _, chunk in overloaded} == {MIN_CHUNK}, "overloaded: exactly the floor"
+    # ... and the scheduler said, from its measurements, that it cannot hold a 1 ms target.
+    log = servers["ours"].log_path.read_text(errors="replace")[since:]
+    assert "SLOScheduler cannot hold itl_target_ms=1 here" in log
 
 
 def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> None:
@@ -184,3 +187,6 @@ def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> Non
     assert loose and tight
     assert statistics.median(tight) < statistics.median(loose)
     assert min(tight) >= MIN_CHUNK and all(chunk % ALIGN == 0 for chunk in tight)  # aligned, >= minimum
+    # The tiny model's steps take milliseconds: a 400 ms target holds, and the log says so.
+    log = servers["ours"].log_path.read_text(errors="replace")[since:]
+    assert "SLOScheduler target holds: itl_target_ms=400;" in log
