@@ -86,6 +86,9 @@ def router_resumes(log: Path) -> dict[str, int]:
         return {}
     return {
         "resumed": text.count("resuming a broken stream on "),
+        # of which (pd-router since this was added to its log line): chats continued as token-id completions
+        "resumed_chats_token_exact": text.count("(chat, token-exact as a completion)"),
+        "resumed_chats_from_text": text.count("(chat, from its text)"),
         "not_resumed": text.count("not resuming a broken stream"),
         "attempts_failed": len(re.findall(r"attempt \d+ failed: ", text)),
     }

@@ -169,7 +169,8 @@ async def test_a_chat_whose_decode_is_killed_resumes_token_exactly_on_the_other(
                 killed.kill(signal.SIGKILL)
     assert killed is not None
     survivor = next(d for d in decodes if d is not killed)
-    resumed = re.findall(r"resuming a broken stream on \S+ after (\d+) tokens", router.log_path.read_text())
+    pattern = r"resuming a broken stream on \S+ after (\d+) tokens \(chat, token-exact as a completion\)"
+    resumed = re.findall(pattern, router.log_path.read_text())
     assert len(resumed) == 1, resumed
     assert done == 1 and {c["id"] for c in chunks} == {chunks[0]["id"]}
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}

@@ -58,11 +58,16 @@ async def resume(
             if prefill is None:
                 break
         metrics.resumes.inc()
-        log.warning("resuming a broken stream on %s after %d tokens: %s", decode.url, state.tokens, err)
-        seam, leg_path = None, path
+        seam, leg_path, how = None, path, str(parsed.kind)
         if as_completion(parsed, body):  # a chat continued token-exactly: its events become chat chunks
             assert parsed.text_of_ids is not None and state.ids is not None
             seam, leg_path = Seam(parsed.text_of_ids, state.ids, "".join(state.text)), "/v1/completions"
+            how = "chat, token-exact as a completion"
+        elif parsed.kind == "chat":
+            how = "chat, from its text"
+        log.warning(
+            "resuming a broken stream on %s after %d tokens (%s): %s", decode.url, state.tokens, how, err
+        )
         ids_asked = strip or "return_token_ids" in parsed.body or seam is not None
         extra = {"return_token_ids": True} if ids_asked else {}
         stitcher = Stitcher(state, await parsed.exact_prompt_tokens(), strip, seam)

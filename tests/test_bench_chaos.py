@@ -370,8 +370,16 @@ def test_the_routers_log_counts_resumed_streams(tmp_path: Path) -> None:
     log = tmp_path / "router.log"
     log.write_text(
         "W router.proxy: resuming a broken stream on http://d1 after 4 tokens: x\n"
+        "W router.proxy: resuming a broken stream on http://d1 after 2 tokens"
+        " (chat, token-exact as a completion): x\n"
         "W router.proxy: not resuming a broken stream after 2 tokens: y\n"
         "W router.proxy: attempt 1 failed: z\n"
     )
-    assert router_resumes(log) == {"resumed": 1, "not_resumed": 1, "attempts_failed": 1}
+    assert router_resumes(log) == {
+        "resumed": 2,
+        "resumed_chats_token_exact": 1,
+        "resumed_chats_from_text": 0,
+        "not_resumed": 1,
+        "attempts_failed": 1,
+    }
     assert router_resumes(tmp_path / "none") == {}
