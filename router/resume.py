@@ -41,7 +41,7 @@ async def resume(
     for _ in range(cfg.retry.max_resumes if state is not None else 0):
         assert state is not None
         try:
-            body = continuation(parsed, state)
+            body = continuation(parsed, state, cfg.model.max_model_len)
         except Unresumable as e:
             log.warning("not resuming a broken stream after %d tokens: %s", state.tokens, e)
             await _give_up(client, f"{err}; {e}")

@@ -176,7 +176,7 @@ _CHAT_FIELDS = (
 _CHAT_OUTPUT = ("tools", "functions", "logprobs", "top_logprobs")
 
 
-def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
+def continuation(parsed: Parsed, state: StreamState, context: int | None = None) -> dict[str, Any] | None:
     """The body that continues ``parsed`` on another decode worker, or None when nothing is left to do.
 
     Completions continue from prompt ids + delivered ids where the worker sent them. A chat whose prompt ids
@@ -186,7 +186,8 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
     other chat continues from its text as the final assistant message; raises ``Unresumable`` when that text
     does not carry every token the client got: a token that is part of a multi-byte character streams no
     text until the character is complete, so a continuation from the text alone would generate that token
-    again (a wrong answer).
+    again (a wrong answer). ``context``: the model's context length, the limit of a chat without one of its
+    own continued as a completion (a completion's default is 16 tokens; a chat's, the rest of the context).
     """
     so_far = "".join(state.text)
     body = dict(parsed.body)  # carries no transfer fields (``Parsed``): the new worker prefills itself
@@ -208,12 +209,13 @@ def continuation(parsed: Parsed, state: StreamState) -> dict[str, Any] | None:
         return body
     ids = state.ids
     prompt_ids = state.prompt_ids if state.prompt_ids is not None else parsed.prompt_ids
-    if ids is not None and prompt_ids is not None and not any(body.get(f) for f in _CHAT_OUTPUT):
+    exact = ids is not None and prompt_ids is not None and (left is not None or context is not None)
+    if exact and not any(body.get(f) for f in _CHAT_OUTPUT):
+        assert ids is not None and prompt_ids is not None
         for name in (*_CHAT_FIELDS, *_CHAT_OUTPUT):
             body.pop(name, None)
         body["prompt"] = prompt_ids + ids
-        if left is not None:
-            body["max_tokens"] = left
+        body["max_tokens"] = left if left is not None else max(1, (context or 0) - len(body["prompt"]))
         return body
     if ids and parsed.text_of_ids is not None:
         cut = parsed.text_of_ids(ids).count("\ufffd") - so_far.count("\ufffd")

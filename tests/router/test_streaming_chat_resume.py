@@ -182,3 +182,22 @@ def test_a_chat_whose_answer_is_more_than_its_content_continues_from_its_text(
     body = continuation(chat(tokenizer, {**CHAT, **field}), s)
     assert body is not None and "messages" in body and "prompt" not in body
     assert body["continue_final_message"] is True
+
+
+def test_a_chat_without_a_token_limit_continues_to_the_end_of_the_context(tmp_path: Path) -> None:
+    """A completion's default limit is 16 tokens, a chat's the rest of the context: the continuation asks
+    for the rest."""
+    tokenizer = byte_tokenizer(tmp_path)
+    h = tokenizer.ids("h", False)[0]
+    s = StreamState()
+    s.observe_batch(
+        chat_event({"role": "assistant", "content": ""}, None, PROMPT_IDS) + chat_event({"content": "h"}, [h])
+    )
+    body = {k: v for k, v in CHAT.items() if k != "max_tokens"}
+    unlimited = Parsed(
+        "chat", body, msgspec.json.encode(body), 3, None, True, True, text_of_ids=tokenizer.text
+    )
+    cont = continuation(unlimited, s, context=100)
+    assert cont is not None and cont["prompt"] == [*PROMPT_IDS, h] and cont["max_tokens"] == 100 - 4
+    text = continuation(unlimited, s)  # no context length known: from its text, the chat's own default
+    assert text is not None and "messages" in text and "max_tokens" not in text
