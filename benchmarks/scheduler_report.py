@@ -14,8 +14,8 @@ from scheduler_plugins.step_clock import RunQueueWait
 def process_cpu_s(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the server's own process (``api_server``: vLLM's front end)
     and of its descendants, summed by process name (vLLM names them: ``VLLM::EngineCor``, ``VLLM::Worker``,
-    ...), from ``/proc``: which process had the cores; and, as ``<name> wait``, the seconds their threads
-    spent runnable but waiting for a CPU (``schedstat``): how much other processes kept them off."""
+    ...), from ``/proc``: which process had the cores; and, as ``<name> wait``, the seconds their main
+    threads spent runnable but waiting for a CPU (``schedstat``): how much other processes kept them off."""
     tick = os.sysconf("SC_CLK_TCK")
     parent, cpu, name = {}, {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

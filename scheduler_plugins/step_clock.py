@@ -39,7 +39,7 @@ class StepSample:
     forward_s: float  # handed to the workers -> output back (the forward pass and sampling)
     cycle_s: float  # begin -> next begin (engine looped on), or begin -> output handled (engine went idle)
     cpu_s: float  # the scheduler process's CPU time (all its threads) over the cycle
-    worker_wait_s: float = 0.0  # the workers' threads' wait for a CPU during the forward pass (summed)
+    worker_wait_s: float = 0.0  # the workers' main threads' wait for a CPU during the forward pass
 
 
 class StepClock:
@@ -129,16 +129,16 @@ class StepStats:
 
 
 class RunQueueWait:
-    """Seconds the threads of some processes have spent runnable but waiting for a CPU (Linux schedstat).
+    """Seconds the main threads of some processes have spent runnable but waiting for a CPU (Linux
+    schedstat: the second field of ``/proc/<pid>/task/<pid>/schedstat``); 0 where ``/proc`` lacks it.
 
-    ``seconds()`` sums the second field of ``/proc/<pid>/task/<tid>/schedstat`` over their threads. The
-    thread list is read once and again when a thread is gone; where ``/proc`` lacks schedstat it reads 0.
+    The main thread only: in a vLLM CPU worker it runs the forward pass (OpenMP's first thread), while other
+    threads (message-queue pollers) spin beside it and wait whenever it runs, which says nothing about the
+    step. With several OpenMP threads, the others' waits are not counted: a lower bound.
     """
 
     def __init__(self, pids: Iterable[int], proc: Path = Path("/proc")) -> None:
-        self._pids = list(pids)
-        self._proc = proc
-        self._paths: list[Path] | None = None
+        self._paths = [proc / str(pid) / "task" / str(pid) / "schedstat" for pid in pids]
 
     @staticmethod
     def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
@@ -152,16 +152,12 @@ class RunQueueWait:
         return out
 
     def seconds(self) -> float:
-        if self._paths is None:
-            self._paths = [
-                p for pid in self._pids for p in (self._proc / str(pid) / "task").glob("*/schedstat")
-            ]
         total = 0
         for path in self._paths:
             try:
                 total += int(path.read_text().split()[1])
             except (OSError, ValueError, IndexError):
-                self._paths = None  # a thread ended (or no schedstat): list them again next time
+                continue  # the process ended, or the kernel keeps no schedstat
         return total / 1e9
 
 

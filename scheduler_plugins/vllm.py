@@ -59,6 +59,7 @@ ITL_TARGET_ARG = "itl_target_ms"
 # Workers waiting for a CPU this share of the steps' time: other processes run on the model's cores.
 WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
+VERDICT_INTERVAL_S = 30.0
 TTFT_TARGET_ARG = "ttft_target_ms"
 
 
@@ -92,6 +93,7 @@ class SLOScheduler(Scheduler):
         self._last_wait_warning = -WAIT_WARNING_INTERVAL_S
         self.verdict: Feasibility | None = None  # the last one logged, for the target in _verdict_ms
         self._verdict_ms = 0.0
+        self._verdict_at = 0.0
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
@@ -205,16 +207,24 @@ class SLOScheduler(Scheduler):
 
     def _judge(self, plan: StepPlan, limit_s: float, target_ms: float) -> None:
         """Say in the log whether the target can be held, once the model has measured enough steps: the
-        first verdict, then whenever it or the effective target changes."""
+        first verdict, then whenever the effective target changes, and when the verdict changes (at most
+        every ``VERDICT_INTERVAL_S``)."""
         if (
             self.cost_model.observations < self.slo.verdict_after_steps
             or not self.cost_model.prefill_observations
         ):
             return
         verdict = feasibility(self.cost_model.predict(plan.shape(self._min_chunk)), limit_s)
-        if self.verdict is not None and (verdict.holds, target_ms) == (self.verdict.holds, self._verdict_ms):
+        # The same target: a changed verdict is logged, but at most every VERDICT_INTERVAL_S (near the limit
+        # it flips as decodes come and go).
+        last = self.verdict
+        if (
+            last is not None
+            and target_ms == self._verdict_ms
+            and (verdict.holds == last.holds or time.monotonic() - self._verdict_at < VERDICT_INTERVAL_S)
+        ):
             return
-        self.verdict, self._verdict_ms = verdict, target_ms
+        self.verdict, self._verdict_ms, self._verdict_at = verdict, target_ms, time.monotonic()
         if verdict.holds:
             logger.info(
                 "SLOScheduler target holds: itl_target_ms=%g; %d decodes + a %d-token chunk predicted "

@@ -86,18 +86,17 @@ def test_cost_model_counts_prefill_steps() -> None:
     assert (model.observations, model.prefill_observations) == (2, 1)
 
 
-def test_run_queue_wait_sums_the_threads_of_the_processes(tmp_path: Path) -> None:
-    """A fake /proc: two threads of process 7 (the worker), a child list on the parent's thread."""
-    for tid, waited_ns in (("7", 2_000_000), ("8", 500_000)):
-        (tmp_path / "7" / "task" / tid).mkdir(parents=True)
-        (tmp_path / "7" / "task" / tid / "schedstat").write_text(f"123 {waited_ns} 4\n")
+def test_run_queue_wait_reads_the_main_threads(tmp_path: Path) -> None:
+    """A fake /proc: workers 7 and 9 (children of 5); 7's spinning side thread 8 is not counted."""
+    for pid, tid, waited_ns in ((7, 7, 2_000_000), (7, 8, 900_000_000), (9, 9, 500_000)):
+        (tmp_path / str(pid) / "task" / str(tid)).mkdir(parents=True)
+        (tmp_path / str(pid) / "task" / str(tid) / "schedstat").write_text(f"123 {waited_ns} 4\n")
     (tmp_path / "5" / "task" / "5").mkdir(parents=True)
-    (tmp_path / "5" / "task" / "5" / "children").write_text("7 ")
-    assert RunQueueWait.children(5, tmp_path) == [7]
-    wait = RunQueueWait([7], tmp_path)
+    (tmp_path / "5" / "task" / "5" / "children").write_text("7 9")
+    assert RunQueueWait.children(5, tmp_path) == [7, 9]
+    wait = RunQueueWait([7, 9], tmp_path)
     assert wait.seconds() == pytest.approx(0.0025)
-    (tmp_path / "7" / "task" / "8" / "schedstat").unlink()  # a thread ended: counted without it
-    wait.seconds()
+    (tmp_path / "9" / "task" / "9" / "schedstat").unlink()  # a worker ended: counted without it
     assert wait.seconds() == pytest.approx(0.002)
     assert RunQueueWait([99], tmp_path).seconds() == 0.0  # no such process: nothing waited
 
