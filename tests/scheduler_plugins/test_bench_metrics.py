@@ -92,3 +92,12 @@ def test_process_cpu_counts_the_server_and_its_children_by_name() -> None:
         assert cpu["api_server"] == pytest.approx(sum(os.times()[:2]), abs=0.05)
     finally:
         child.communicate(b"", timeout=30)
+
+
+def test_a_stream_kept_waiting_for_its_first_token_shows_in_ttft_stream_max() -> None:
+    steady = Stream(sent=0.0, long=False, token_times=[i * 0.1 for i in range(101)])
+    late = Stream(sent=6.0, long=False, token_times=[7.5, 7.6, 7.7])  # admitted only after the long prompt
+    long = Stream(sent=5.0, long=True, token_times=[7.4])
+    res = summarize([steady, late, long], start=0.0, end=10.0)
+    assert res["ttft_stream_max_ms"] == pytest.approx(1500.0)
+    assert res["itl_max_ms"] == pytest.approx(100.0)  # no gap shows the wait
