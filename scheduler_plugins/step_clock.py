@@ -21,7 +21,8 @@ predicted while the workers waited was slowed by other processes on their cores,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +160,25 @@ class RunQueueWait:
             except (OSError, ValueError, IndexError):
                 continue  # the process ended, or the kernel keeps no schedstat
         return total / 1e9
+
+
+def pinned_cores(
+    pids: Iterable[int],
+    proc: Path = Path("/proc"),
+    affinity: Callable[[int], set[int]] = os.sched_getaffinity,
+) -> set[int]:
+    """The CPUs that threads of ``pids`` are pinned to one each (vLLM's CPU workers bind every OpenMP thread
+    to one core of ``VLLM_CPU_OMP_THREADS_BIND``); threads that may run anywhere are not counted."""
+    cores: set[int] = set()
+    for pid in pids:
+        for task in (proc / str(pid) / "task").glob("*"):
+            try:
+                allowed = affinity(int(task.name))
+            except (OSError, ValueError):
+                continue  # the thread ended
+            if len(allowed) == 1:
+                cores |= allowed
+    return cores
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from scheduler_plugins.step_clock import (
     StepSample,
     StepStats,
     feasibility,
+    pinned_cores,
 )
 
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
@@ -89,7 +90,9 @@ class SLOScheduler(Scheduler):
         self.cost_model = CostModel()
         self._clock = StepClock()
         self._stats = StepStats()
-        self._workers = RunQueueWait(RunQueueWait.children(os.getpid()))  # built after the executor
+        workers = RunQueueWait.children(os.getpid())  # the executor (built before us) started them
+        self._workers = RunQueueWait(workers)
+        _warn_if_no_core_is_left(pinned_cores(workers))
         self._last_wait_warning = -WAIT_WARNING_INTERVAL_S
         self.verdict: Feasibility | None = None  # the last one logged, for the target in _verdict_ms
         self._verdict_ms = 0.0
@@ -292,11 +295,31 @@ class SLOScheduler(Scheduler):
 def _cores(pid: int) -> str:
     """The CPUs ``pid`` may run on, as a compact list (``0-1``), for the start-up line."""
     try:
-        cpus = sorted(os.sched_getaffinity(pid))
+        return _compact(sorted(os.sched_getaffinity(pid)))
     except OSError:
         return "?"
-    return (
-        f"{cpus[0]}-{cpus[-1]}"
-        if cpus == list(range(cpus[0], cpus[-1] + 1)) and len(cpus) > 1
-        else (",".join(map(str, cpus)))
-    )
+
+
+def _compact(cpus: list[int]) -> str:
+    """Sorted CPU numbers as ``0-3`` when contiguous, else ``0,2``."""
+    if len(cpus) > 1 and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def _warn_if_no_core_is_left(model_cores: set[int]) -> None:
+    """Say at start when the model's OpenMP threads are pinned to every core this process may use.
+
+    vLLM's EngineCore (this process) busy-polls its workers for their reply (``sched_yield`` in vLLM's
+    shared-memory queue), and the API server runs beside it: with no core left to them they preempt the
+    model's threads, and OpenMP steps then took 4-5x their measured cost (docs/performance.md
+    ``## scheduler``, ``--cores 0-1`` on two cores), so no budget can hold a target.
+    """
+    allowed = set(os.sched_getaffinity(0))
+    if model_cores and not allowed - model_cores:
+        logger.warning(
+            "SLOScheduler: the model's threads are pinned to every core this engine may use (%s): vLLM's "
+            "EngineCore and API server must preempt them, steps slow down unpredictably and the ITL target "
+            "cannot be relied on; leave them a core (VLLM_CPU_OMP_THREADS_BIND on fewer cores)",
+            _compact(sorted(model_cores)),
+        )

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler_plugins.config import SchedulerSettings, StepTime, load_settings
 from scheduler_plugins.cost_model import CostModel, StepShape
-from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepStats, feasibility
+from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepStats, feasibility, pinned_cores
 
 SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
 
@@ -114,3 +114,19 @@ def test_worker_wait_is_the_forward_pass_share_and_reaches_the_summary() -> None
     stats.add(sample)
     assert stats.worker_wait_share() == pytest.approx(0.3)
     assert "worker_wait_ms=30.0/30.0 worker_wait_share=0.300" in stats.summary()
+
+
+def test_pinned_cores_are_the_single_core_threads(tmp_path: Path) -> None:
+    """Worker 7: OpenMP threads 7 and 8 pinned to cores 0 and 1, a poller thread 9 free to run anywhere."""
+    for tid in (7, 8, 9):
+        (tmp_path / "7" / "task" / str(tid)).mkdir(parents=True)
+    masks = {7: {0}, 8: {1}, 9: {0, 1}}
+    assert pinned_cores([7], tmp_path, masks.__getitem__) == {0, 1}
+    masks[8] = {0, 1}  # one OpenMP thread on core 0 only (VLLM_CPU_OMP_THREADS_BIND=0)
+    assert pinned_cores([7], tmp_path, masks.__getitem__) == {0}
+    assert pinned_cores([42], tmp_path, masks.__getitem__) == set()  # no such process
+
+
+def test_pinned_cores_of_this_process() -> None:
+    cores = pinned_cores([os.getpid()])
+    assert cores <= os.sched_getaffinity(0)
