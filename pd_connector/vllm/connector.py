@@ -25,6 +25,7 @@ from pd_connector.vllm.compat import (
     fail_loads_on_request,
     limit_busy_poll,
     require,
+    schedule_ended_loads_at_once,
     tp_rank,
 )
 from pd_connector.vllm.config import PDConnectorConfig
@@ -74,6 +75,7 @@ class PDConnector(KVConnectorBase_V1):
         self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
             fail_loads_on_request()  # a seeded load that ended without a usable token: see loads_to_fail
+            schedule_ended_loads_at_once()  # a load that ended is scheduled without vLLM's idle pause
             self._scheduler = SchedulerSide(
                 block_size,
                 self._config.side_channel_addr,

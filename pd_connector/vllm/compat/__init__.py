@@ -17,7 +17,8 @@ Who calls what:
   carries) and ``seed_first_token`` (D, when a seeded load finished); ``PDConnector.__init__`` in
   EngineCore: ``fail_loads_on_request`` (a seeded load that ended, done or failed, without a usable token
   from P ends its request with an error under any ``kv_load_failure_policy``, through the scheduler's
-  per-step error set).
+  per-step error set) and ``schedule_ended_loads_at_once`` (no idle pause between the step that reports a
+  load ended and the one that schedules its request).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
@@ -42,6 +43,7 @@ from pd_connector.vllm.compat.engine import (
     first_output_token,
     limit_busy_poll,
     register_connector,
+    schedule_ended_loads_at_once,
     seed_first_token,
 )
 from pd_connector.vllm.compat.kv_cache import TPRank, check_kv_cache, kv_cache_problem, kv_layout, tp_rank
@@ -75,6 +77,7 @@ from pd_connector.vllm.compat.versions import (
     PROVEN_ON,
     SCHEDULER_FIELDS,
     SCHEDULER_SYMBOLS,
+    STEP_SYMBOLS,
     SUPPORTED,
     check_version,
     install_version_shim,
@@ -92,6 +95,7 @@ __all__ = [
     "PROVEN_ON",
     "SCHEDULER_FIELDS",
     "SCHEDULER_SYMBOLS",
+    "STEP_SYMBOLS",
     "SUPPORTED",
     "BusyPoll",
     "TPRank",
@@ -118,6 +122,7 @@ __all__ = [
     "require",
     "require_scheduler",
     "running",
+    "schedule_ended_loads_at_once",
     "scheduled_request",
     "seed_first_token",
     "set_running_order",

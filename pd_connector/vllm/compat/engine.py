@@ -1,11 +1,13 @@
 """Where PDConnector hooks into vLLM's engine beyond the connector API: factory registration, the
-shared-memory queues' busy poll, first-token seeding, failing one request's load.
+shared-memory queues' busy poll, first-token seeding, failing one request's load, scheduling an ended load
+without the idle pause.
 
 Part of ``pd_connector.vllm.compat``. ``plugin.register`` (every vLLM process) calls ``register_connector``;
 ``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``, and in EngineCore
-``fail_loads_on_request``; ``SchedulerSide`` (EngineCore) calls ``first_output_token`` on P and
-``seed_first_token`` on D. Each writes or reads vLLM state that vLLM does not promise to keep (a private
-registry, a queue's wait loop, a request's token lists, the scheduler's per-step error set).
+``fail_loads_on_request`` and ``schedule_ended_loads_at_once``; ``SchedulerSide`` (EngineCore) calls
+``first_output_token`` on P and ``seed_first_token`` on D. Each writes or reads vLLM state that vLLM does not
+promise to keep (a private registry, a queue's wait loop, a request's token lists, the scheduler's per-step
+error set, EngineCore's step result).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pd_connector.vllm.compat.versions import BUSY_POLL_SYMBOLS, FAIL_LOAD_SYMBOLS, PLUGIN_SYMBOLS, require
+from pd_connector.vllm.compat.versions import (
+    BUSY_POLL_SYMBOLS,
+    FAIL_LOAD_SYMBOLS,
+    PLUGIN_SYMBOLS,
+    STEP_SYMBOLS,
+    require,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -148,3 +156,39 @@ def fail_loads_on_request() -> None:
 
     update_from_output.__pd_fail_loads__ = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def schedule_ended_loads_at_once() -> None:
+    """Let EngineCore schedule a request whose load just ended in the very next loop turn (EngineCore;
+    idempotent).
+
+    A D whose requests all wait for KV runs steps that compute nothing, and after each of them vLLM 0.32's
+    EngineCore loop sleeps 1 ms (``_process_engine_step``: "yield the GIL" to transfer threads) before the
+    next. The step in which the worker reports a load ended is such a step, so the request it frees waited
+    that millisecond (about 1.1 ms measured) before vLLM scheduled it: on the P/D path that is the hand-off
+    from P's first token to D's, paid by every request (docs/performance.md ``## first_token``). This wraps
+    ``EngineCore.step`` to report such a step as executed when it left ended loads for the scheduler to
+    promote (``finished_recving_kv_req_ids``), so the loop goes straight to the step that schedules them.
+    The report only steers the pause and ``post_step``'s draft-token fetch, so engines that use the flag for
+    more are left alone: data parallel (a step reported as executed skips its dummy batch, and the other
+    ranks would wait for it) and speculative decoding (no draft tokens come from a step that ran nothing).
+    Patched on the class because EngineCore binds ``step`` after its scheduler, and so the connector, exist.
+    """
+    require("PDConnector", STEP_SYMBOLS)
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore.step, "__pd_ended_loads__", False):
+        return
+    original = EngineCore.step
+
+    @functools.wraps(original)
+    def step(self: EngineCore) -> Any:
+        outputs, executed = original(self)
+        if executed or not self.scheduler.finished_recving_kv_req_ids:  # type: ignore[attr-defined]
+            return outputs, executed
+        if self.vllm_config.parallel_config.data_parallel_size > 1 or self.check_for_draft_tokens:
+            return outputs, executed
+        return outputs, True
+
+    step.__pd_ended_loads__ = True  # type: ignore[attr-defined]
+    EngineCore.step = step  # type: ignore[method-assign]

@@ -77,6 +77,9 @@ BUSY_POLL_SYMBOLS = ("vllm.distributed.device_communicators.shm_broadcast:SpinCo
 #: What ``fail_loads_on_request`` wraps (the scheduler's per-step error set is an instance attribute: checked
 #: on each use).
 FAIL_LOAD_SYMBOLS = ("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",)
+#: What ``schedule_ended_loads_at_once`` wraps (the scheduler's set of ended loads and the engine's data
+#: parallel and draft-token settings are instance attributes: read on each use).
+STEP_SYMBOLS = ("vllm.v1.engine.core:EngineCore.step",)
 #: What ``pd-vllm`` hands over to once the version shim is in place.
 LAUNCHER_SYMBOLS = ("vllm.entrypoints.cli.main:main",)
 

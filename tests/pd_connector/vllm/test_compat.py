@@ -48,6 +48,7 @@ ALL_SYMBOLS = (
     + compat.LAUNCHER_SYMBOLS
     + compat.BUSY_POLL_SYMBOLS
     + compat.FAIL_LOAD_SYMBOLS
+    + compat.STEP_SYMBOLS
 )
 
 
@@ -252,3 +253,41 @@ def test_a_connector_ends_the_loads_it_names_through_the_schedulers_error_set(
     wrapped(other, None, SimpleNamespace(kv_connector_output=kv_output))
     wrapped(ours, None, SimpleNamespace(kv_connector_output=None))
     assert seen[1:] == [set(), {"r2"}] and len(asked) == 1
+
+
+def test_a_step_that_left_ended_loads_is_reported_executed_so_the_loop_does_not_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EngineCore sleeps after a step reported as not executed; a step that computed nothing but left
+    ended loads for the scheduler is reported executed (no pause before the step that schedules them).
+    Steps that computed, steps with no ended load, data-parallel and speculative engines are unchanged."""
+    from vllm.v1.engine.core import EngineCore
+
+    results: deque[tuple[str, bool]] = deque()
+
+    def original(self: Any) -> tuple[str, bool]:
+        return results.popleft()
+
+    monkeypatch.setattr(EngineCore, "step", original)
+    compat.schedule_ended_loads_at_once()
+    compat.schedule_ended_loads_at_once()  # idempotent
+    wrapped = EngineCore.step
+
+    def engine(ended: set[str], dp: int = 1, drafts: bool = False) -> Any:
+        parallel = SimpleNamespace(data_parallel_size=dp)
+        return SimpleNamespace(
+            scheduler=SimpleNamespace(finished_recving_kv_req_ids=ended),
+            vllm_config=SimpleNamespace(parallel_config=parallel),
+            check_for_draft_tokens=drafts,
+        )
+
+    cases = [
+        (engine({"r1"}), ("idle", False), ("idle", True)),
+        (engine(set()), ("idle", False), ("idle", False)),
+        (engine({"r1"}), ("ran", True), ("ran", True)),
+        (engine({"r1"}, dp=2), ("idle", False), ("idle", False)),
+        (engine({"r1"}, drafts=True), ("idle", False), ("idle", False)),
+    ]
+    for core, step_result, reported in cases:
+        results.append(step_result)
+        assert wrapped(core) == reported
