@@ -70,6 +70,7 @@ HANDOFF: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
     ("done_to_d", ("prefill", "done"), ("decode", "done")),
     ("d_report", ("decode", "done"), ("decode", "reported")),
+    ("d_first_token", ("decode", "reported"), ("router", "decode_continued")),
 )
 
 

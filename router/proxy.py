@@ -298,7 +298,7 @@ class Proxy:
                     if stamps is not None:
                         stamps.mark("client_first_byte")
                     self.metrics.ttft_for(route).observe(time.monotonic() - start)
-                    err = await relay(stream, resp, decode, first, stitcher, lead)
+                    err = await relay(stream, resp, decode, first, stitcher, lead, stamps if lead else None)
                 finally:
                     resp.close()
             if err is None:

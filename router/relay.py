@@ -22,6 +22,7 @@ from router.errors import ApiError
 from router.http1 import HttpError, Response
 from router.metrics import EventSeries, RouterMetrics
 from router.streaming import DONE, Stitcher, StreamState, WorkerErrorEvent, strip_token_ids
+from router.trace import Stamps
 from router.upstream import ErrorEvent, UpstreamError, wrap_error
 
 # A client whose socket buffer holds more than this stops the upstream from being read until it is below
@@ -70,13 +71,16 @@ async def relay(
     first: bytes,
     stitcher: Stitcher | None,
     lead: bytes = b"",
+    stamps: Stamps | None = None,
 ) -> UpstreamError | None:
     """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
     ``lead``: events the router wrote itself (P's first token, ``legs.Legs.opening``), sent as they are
     before ``first`` (then empty: every event of the worker's stream goes through the Pump). When ``lead``
-    ends the stream, the worker's stream is closed unread. The first event goes out through ``client.write``; the rest are relayed by a ``Pump`` inside the
-    upstream connection's read callback, byte for byte, all complete events of one read in one write. This
+    ends the stream, the worker's stream is closed unread. ``stamps`` (a seeded P/D request's) gets
+    ``decode_continued`` when the first bytes of D's own stream arrive. The first event goes out through
+    ``client.write``; the rest are relayed by a ``Pump`` inside the upstream connection's read callback,
+    byte for byte, all complete events of one read in one write. This
     coroutine only waits for the end, an error, the idle timeout or a slow client. After ``[DONE]`` the
     upstream connection is released for reuse; the caller closes it on any other exit.
     """
@@ -106,7 +110,7 @@ async def relay(
     transport = client.transport
     if transport is None:
         raise ClientGone
-    pump = Pump(transport, client.chunked, transform, stream.metrics.itl_for(stream.route), resp)
+    pump = Pump(transport, client.chunked, transform, stream.metrics.itl_for(stream.route), resp, stamps)
     resp.divert(pump.feed)
     try:
         while True:
@@ -153,8 +157,10 @@ class Pump:
         transform: Callable[[bytes], bytes],
         itl: EventSeries,
         resp: Response,
+        stamps: Stamps | None = None,
     ) -> None:
         self._transport = transport
+        self._stamps = stamps
         self._chunked = chunked
         self._transform = transform
         self._itl = itl
@@ -169,6 +175,9 @@ class Pump:
         if self.done or self.failure is not None:
             return
         now = self.seen = time.monotonic()
+        if self._stamps is not None:
+            self._stamps.mark("decode_continued", now)
+            self._stamps = None
         try:
             rest = self._rest + data if self._rest else data
             cut = rest.rfind(b"\n\n")

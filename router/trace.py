@@ -8,7 +8,8 @@ engines' records on the transfer id (docs/architecture.md ``## First-token trace
 Stages, in their usual order: ``received`` (the request reached the proxy), ``prefill_sent`` (P's leg
 posted), ``decode_sent`` (D's leg posted or its stream opened), ``prefill_returned`` (P's leg answered: before
 D's leg in vllm-standard, concurrently in the other flows), ``decode_first_event`` (D's first event or unary
-answer), ``client_first_byte`` (the response started towards the client).
+answer), ``client_first_byte`` (the response started towards the client), and with first-token seeding
+``decode_continued`` (the first bytes of D's own stream, the token after P's: the hand-off's end).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ STAGES = (
     "prefill_returned",
     "decode_first_event",
     "client_first_byte",
+    "decode_continued",
 )
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

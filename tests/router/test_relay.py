@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from router import app, front, relay
 from router.http1 import Response
 from router.metrics import EventHistogram
+from router.trace import Stamps
 from tests.router.conftest import MODEL, long_prompt, short_prompt
 from tests.router.sse import events, normalized
 
@@ -67,6 +69,20 @@ def test_pump_writes_complete_events_as_chunks_and_keeps_partial_ones() -> None:
     assert pump.done and up.wakes == 1
     pump.feed(b"data: late\n\n")  # nothing after [DONE]
     assert len(out.written) == 2
+
+
+def test_pump_stamps_the_first_bytes_of_the_stream_it_continues_once() -> None:
+    """A seeded stream's Pump marks ``decode_continued`` when D's first bytes arrive, even an incomplete
+    event (they are D's first output), and never again."""
+    out, up = _Transport(), _Upstream()
+    itl = EventHistogram("gaps", "gaps", "route", (0.1,)).series("local")
+    stamps = Stamps(time.monotonic())
+    pump = relay.Pump(out, True, lambda b: b, itl, up, stamps)  # type: ignore[arg-type]
+    pump.feed(b"data: 2")
+    first = stamps.stamps["decode_continued"]
+    assert stamps.stamps["received"] <= first
+    pump.feed(b"\n\ndata: 3\n\n")
+    assert stamps.stamps["decode_continued"] == first and len(out.written) == 1
 
 
 def test_pump_pauses_the_upstream_while_the_client_is_behind() -> None:
