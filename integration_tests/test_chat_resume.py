@@ -29,7 +29,9 @@ from router.streaming import Seam, Stitcher, StreamState, as_completion, continu
 from router.tokenize import PromptTokenizer
 
 MAX_MODEL_LEN = 1024
-MAX_TOKENS = 400
+#: Long enough that D is still generating when the client kills it (at ~4 ms a token here, 400 tokens were
+#: once all generated before the kill landed, and the stream ended without a resume).
+MAX_TOKENS = 900
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ async def test_a_chat_whose_decode_is_killed_resumes_token_exactly_on_the_other(
             for choice in chunk["choices"]:
                 ids += choice.get("token_ids") or []
                 text += choice["delta"].get("content") or ""
-            if killed is None and len(ids) >= 3:
+            if killed is None and ids:
                 async with s.get(url + "/admin/workers") as w:
                     workers = (await w.json())["workers"]
                 busy = [x["url"] for x in workers if x["role"] == "decode" and x["active"]]
