@@ -73,8 +73,8 @@ class ConnectorSettings(TransferSettings):
     #: process_vm_writev), "auto" (ucx if installed, never cma).
     transport: TransportKind = "tcp"
     #: Shared HMAC-SHA256 key for the control plane ("" disables authentication: loopback only, unless
-    #: ``allow_insecure``).
-    secret: str = ""
+    #: ``allow_insecure``). Kept out of the settings' repr.
+    secret: str = dataclasses.field(default="", repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

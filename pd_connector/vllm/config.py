@@ -13,6 +13,7 @@ Every key is documented in docs/configuration.md (``## vLLM PDConnector``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -63,6 +64,11 @@ class PDConnectorConfig(ConnectorSettings):
     #: Append one JSON line per transfer (request id, transfer id, when each stage happened) to this file
     #: ("" = off); every worker of the engine appends to it (docs/architecture.md, First-token trace).
     trace_path: str = ""
+    #: The name of an environment variable of the vLLM server's process that holds ``secret`` (then leave
+    #: ``secret`` unset). Unlike ``secret`` itself, the key then appears neither on the server's command line
+    #: (``--kv-transfer-config '{...}'``, which every user of the host can read) nor in vLLM's start-up log of
+    #: its arguments, nor in a stored application config (Ray Serve).
+    secret_env: str = ""
     #: Test only (P): honour ``"pd_test_corrupt": true`` in a request's kv_transfer_params by zeroing its KV
     #: before it is pushed, so tests can prove D uses the transferred bytes. The zeroed blocks stay in P's
     #: (and D's) prefix cache for that prompt: use such prompts for nothing else. Never enable in production.
@@ -70,6 +76,8 @@ class PDConnectorConfig(ConnectorSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.secret_env:
+            object.__setattr__(self, "secret", _secret_from(self.secret_env, given=bool(self.secret)))
         for name in ("side_channel_port", "data_port", "data_advertise_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise SettingError(name, f"out of range: {getattr(self, name)}")
@@ -111,3 +119,17 @@ class PDConnectorConfig(ConnectorSettings):
         port = self.data_port + tp_rank if self.data_port else 0
         advertised = self.data_advertise_port + tp_rank if self.data_advertise_port else None
         return self.data_plane(self.data_host, self.data_advertise_host or None, port, advertised)
+
+
+def _secret_from(variable: str, given: bool) -> str:
+    """The shared secret held by the environment variable ``variable`` (``secret_env``); ``SettingError``
+    when ``secret`` was given too, or when the variable is unset or empty (a P/D pair would otherwise run
+    unauthenticated, or refuse each other, for a missing variable)."""
+    if given:
+        raise SettingError("secret_env", "is set together with secret: set one of them")
+    value = os.environ.get(variable, "")
+    if not value:
+        raise SettingError(
+            "secret_env", f"names {variable!r}, which is unset or empty in this process's environment"
+        )
+    return value

@@ -84,13 +84,22 @@ def parse_args(raw: dict[str, Any], cwd: str | None = None) -> AppArgs:
     owned = sorted(PER_REPLICA_KEYS & set(args.connector))
     if owned:
         errors.append(f"connector: {owned} are set per replica from its node address; remove them")
+    connector = dict(args.connector)
+    # The engines' variable, read where each engine runs (``PDConnectorConfig``), not in this process.
+    secret_env = connector.pop("secret_env", "")
     try:
-        settings = PDConnectorConfig.from_extra_config(args.connector)
+        settings = PDConnectorConfig.from_extra_config(connector)
     except SettingError as e:
         errors.append(f"connector: {e}")
     else:
-        if not settings.secret and not settings.allow_insecure:
-            errors.append("connector.secret: required (P's side channel listens on the node's address)")
+        if not isinstance(secret_env, str):
+            errors.append("connector.secret_env: must be the name of an environment variable")
+        elif secret_env and settings.secret:
+            errors.append("connector.secret_env: set together with secret: set one of them")
+        elif not settings.secret and not secret_env and not settings.allow_insecure:
+            errors.append(
+                "connector.secret: required, or secret_env (P's side channel listens on the node's address)"
+            )
     if not 0 <= args.side_channel_port_base <= 65535:
         errors.append(f"side_channel_port_base: out of range: {args.side_channel_port_base}")
     for role in ("prefill", "decode"):

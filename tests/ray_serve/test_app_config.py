@@ -55,6 +55,20 @@ def test_bad_arguments_are_refused_naming_the_key(over: dict[str, Any], names: s
         _args(**over)
 
 
+def test_a_secret_from_the_engines_environment_is_passed_on_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``secret_env`` satisfies the secret check without the variable in this process (the engines' hosts
+    hold it); each engine reads it (here the variable is set for that step only); set with ``secret`` too,
+    it is refused."""
+    monkeypatch.delenv("PD_TEST_SECRET", raising=False)
+    args = _args(connector={"transport": "tcp", "secret_env": "PD_TEST_SECRET"})
+    extra = kv_transfer_config("prefill", args, "10.0.0.7", 7701)["kv_connector_extra_config"]
+    assert extra["secret_env"] == "PD_TEST_SECRET" and "secret" not in extra
+    monkeypatch.setenv("PD_TEST_SECRET", "from-the-host")
+    assert PDConnectorConfig.from_extra_config(extra).secret == "from-the-host"
+    with pytest.raises(AppConfigError, match="secret_env: set together with secret"):
+        _args(connector={"secret": "s", "secret_env": "PD_TEST_SECRET"})
+
+
 def test_insecure_connector_needs_no_secret_when_the_user_says_so() -> None:
     assert _args(connector={"allow_insecure": True}).connector == {"allow_insecure": True}
 

@@ -145,6 +145,28 @@ def test_wrong_secret_is_refused(make_pair: Callable[..., Pair]) -> None:
     assert pair.failed == {"d1"} and not any(pair.d_kv[n].any() for n in NAMES)
 
 
+def test_a_secret_read_from_the_environment_authenticates_and_stays_out_of_the_config(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``secret_env`` names the variable that holds the key: a P configured so and a D given the same key
+    complete a transfer; the key shows in neither config's repr; naming an unset variable, or setting both
+    ``secret`` and ``secret_env``, stops the engine at start naming ``secret_env``."""
+    monkeypatch.setenv("PD_TEST_SECRET", "s3cr3t-value")
+    p = PDConnectorConfig.from_extra_config({"secret_env": "PD_TEST_SECRET"})
+    assert p.secret == "s3cr3t-value" and "s3cr3t-value" not in repr(p)
+    assert "s3cr3t-value" not in repr(PDConnectorConfig(secret="s3cr3t-value"))
+    pair = make_pair(p=p, d=PDConnectorConfig(secret="s3cr3t-value", load_timeout_s=5))
+    pair.d_step([RecvSpec("d1", "T", pair.addr, [2], start_block=0, num_tokens=10)])
+    pair.p_step([SendSpec("p1", "T", [1], 0, 10, 10)])
+    pair.p_finish()
+    pair.wait(lambda: "d1" in pair.recv)
+    assert pair.failed == set() and all(pair.d_kv[n][2].any() for n in NAMES)
+    with pytest.raises(ValueError, match="secret_env names 'PD_TEST_UNSET'"):
+        PDConnectorConfig.from_extra_config({"secret_env": "PD_TEST_UNSET"})
+    with pytest.raises(ValueError, match="secret_env is set together with secret"):
+        PDConnectorConfig.from_extra_config({"secret_env": "PD_TEST_SECRET", "secret": "x"})
+
+
 def test_corrupt_flag_zeroes_what_d_receives(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair()
     pair.d_step([RecvSpec("d1", "T", pair.addr, [2], start_block=0, num_tokens=10)])
