@@ -9,7 +9,7 @@ configuration of this project. docs/configuration.md (``## Ray Serve``) document
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -57,6 +57,9 @@ class AppArgs(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     #: P replica of rank r listens for D on this port + r (one port per P replica and node); 0: a free port
     #: picked at start.
     side_channel_port_base: int = 0
+    #: What a decode replica does when a load fails (vLLM's ``kv_load_failure_policy``): "recompute" prefills
+    #: the prompt locally and answers (vLLM's own default, "fail", ends the request with an error).
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     prefill: RoleArgs = RoleArgs()
     decode: RoleArgs = RoleArgs()
     #: pd-router's TOML tables (``server``, ``policy``, ``kv_routing``, ...; docs/configuration.md ## router)

@@ -31,11 +31,15 @@ def side_channel_port(base: int, rank: int) -> int:
 
 def kv_transfer_config(role: str, args: AppArgs, node_ip: str, side_port: int) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for one replica: PDConnector with the user's settings, bound to and
-    advertising ``node_ip``; a prefill replica's side channel on ``side_port``."""
+    advertising ``node_ip``; a prefill replica's side channel on ``side_port``; a decode replica's
+    ``kv_load_failure_policy``."""
     extra: dict[str, Any] = {**args.connector, "data_host": node_ip}
     if role == "prefill":
         extra.update(side_channel_host=node_ip, side_channel_port=side_port)
-    return {"kv_connector": "PDConnector", "kv_role": KV_ROLES[role], "kv_connector_extra_config": extra}
+    config = {"kv_connector": "PDConnector", "kv_role": KV_ROLES[role], "kv_connector_extra_config": extra}
+    if role == "decode":
+        config["kv_load_failure_policy"] = args.kv_load_failure_policy
+    return config
 
 
 def engine_argv(role: str, args: AppArgs, node_ip: str, port: int, side_port: int) -> list[str]:

@@ -45,6 +45,7 @@ def test_model_resolves_against_the_working_directory_and_clients_keep_its_name(
         ({"connector": {"secret": "s", "lease_s": "60"}}, "lease_s"),
         ({"connector": {"secret": "s", "leese_s": 60}}, "leese_s"),
         ({"side_channel_port_base": 70000}, "side_channel_port_base"),
+        ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
         ({"decode": {"start_timeout_s": 0}}, "decode.start_timeout_s"),
         ({"router": {"decode": [{"url": "http://h:1"}]}}, "router.decode"),
         ({"router": {"model": {"path": "x"}}}, "router.model.path"),
@@ -83,7 +84,10 @@ def test_prefill_replica_listens_and_advertises_on_its_node_with_the_users_setti
 
 def test_decode_replica_receives_on_its_node_and_opens_no_side_channel() -> None:
     config = kv_transfer_config("decode", _args(), "10.0.0.8", 0)
-    assert config["kv_role"] == "kv_consumer"
+    assert config["kv_role"] == "kv_consumer" and config["kv_load_failure_policy"] == "recompute"
+    failing = kv_transfer_config("decode", _args(kv_load_failure_policy="fail"), "10.0.0.8", 0)
+    assert failing["kv_load_failure_policy"] == "fail"
+    assert "kv_load_failure_policy" not in kv_transfer_config("prefill", _args(), "10.0.0.7", 7701)
     extra = config["kv_connector_extra_config"]
     assert extra["data_host"] == "10.0.0.8" and "side_channel_port" not in extra
 
