@@ -6,7 +6,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from router.requests import Parsed
 from router.streaming import (
@@ -18,7 +17,7 @@ from router.streaming import (
     continuation,
     strip_token_ids,
 )
-from router.tokenize import PromptTokenizer
+from tests.router.byte_tokens import byte_tokenizer
 
 
 def ev(obj) -> bytes:
@@ -175,19 +174,6 @@ def test_an_error_event_stops_a_stitched_stream_after_what_came_before_it() -> N
     assert st.rewrite_batch(comp_chunk(" b") + DONE).endswith(DONE)
 
 
-def _byte_tokenizer(root: Path) -> PromptTokenizer:
-    """Byte-level BPE without merges: each UTF-8 byte is one token, as the tiny model's rarer characters
-    are."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        ["plain"], trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    )
-    tok.save(str(root / "tokenizer.json"))
-    return PromptTokenizer(root)
-
-
 def chat_ids_chunk(content: str, ids: list[int]) -> bytes:
     return ev(
         {"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"content": content}, "token_ids": ids}]}
@@ -195,7 +181,7 @@ def chat_ids_chunk(content: str, ids: list[int]) -> bytes:
 
 
 def test_a_chat_broken_inside_a_character_is_not_continued_from_its_text(tmp_path: Path) -> None:
-    tokenizer = _byte_tokenizer(tmp_path)
+    tokenizer = byte_tokenizer(tmp_path)
     first, second = tokenizer.ids("é", add_special_tokens=False)  # two bytes, two tokens
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     chat = Parsed("chat", body, msgspec.json.encode(body), 5, 8, True, True, text_of_ids=tokenizer.text)

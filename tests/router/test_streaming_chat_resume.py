@@ -9,11 +9,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from router.requests import Parsed
 from router.streaming import DONE, Seam, Stitcher, StreamState, as_completion, continuation
 from router.tokenize import PromptTokenizer
+from tests.router.byte_tokens import byte_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -51,18 +51,6 @@ def usage_event(prompt: int, completion: int) -> bytes:
             "usage": usage,
         }
     )
-
-
-def byte_tokenizer(root: Path) -> PromptTokenizer:
-    """Byte-level BPE without merges: each UTF-8 byte is one token (é: two tokens, neither a character)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        ["plain"], trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    )
-    tok.save(str(root / "tokenizer.json"))
-    return PromptTokenizer(root)
 
 
 def chat(
