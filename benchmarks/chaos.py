@@ -1,5 +1,5 @@
-"""Chaos under load: ``python -m benchmarks.chaos`` runs a real P/D cluster behind pd-router, injects faults on
-a seeded timeline while a bounded load runs, and accounts for every request, every block and every process.
+"""Chaos under load: ``python -m benchmarks.chaos`` runs a real P/D cluster behind pd-router, injects faults
+on a seeded timeline while a bounded load runs, and accounts for every request, every block and every process.
 
 Phases (``--phases``, default ``vllm``; ``vllm,sglang`` runs both, one after the other, never both clusters at
 once: six engines do not fit in 24 GiB beside the load), all on this machine, loopback only, every process
@@ -150,7 +150,8 @@ class Plan:
 
 
 def timeouts(engine: Engine) -> dict[str, float]:
-    """Every timeout configured in a phase, by name (seconds): the connector's, pd-router's and SGLang's own."""
+    """Every timeout configured in a phase, by name (seconds): the connector's, pd-router's and SGLang's
+    own."""
     out = {
         "connect_timeout_s": 5.0,
         **TIMERS,
@@ -170,9 +171,9 @@ class Injector:
     of D or a router restart queued after it. A kill or a stop never takes down the last server of its role
     that is up when the role has several (it waits for another to be back): the issue allows failures only
     where no survivor could continue, and with every P or every D down at once each request fails at once,
-    the load runs through its requests in seconds and the rest of the timeline strikes after it (a 1000-request
-    run did so: 847 failed within 33 s). Called on the load's event loop; what blocks (kills, restarts,
-    sockets) runs on worker threads."""
+    the load runs through its requests in seconds and the rest of the timeline strikes after it (a
+    1000-request run did so: 847 failed within 33 s). Called on the load's event loop; what blocks (kills,
+    restarts, sockets) runs on worker threads."""
 
     def __init__(self, cluster: Cluster, seed: int, t0: float) -> None:
         self.cluster, self.t0 = cluster, t0

@@ -1,5 +1,5 @@
-"""The chaos benchmark's cluster: one phase's engines (vLLM or SGLang P/D servers), fault proxies and pd-router,
-how each is started and stopped, and what is read off them after the load (KV usage, open requests,
+"""The chaos benchmark's cluster: one phase's engines (vLLM or SGLang P/D servers), fault proxies and
+pd-router, how each is started and stopped, and what is read off them after the load (KV usage, open requests,
 connector counters, RSS). Used by ``benchmarks.chaos`` in the benchmark's process; every server here is
 started and stopped by it, on loopback.
 
@@ -325,7 +325,8 @@ def _loads(answer: dict[str, Any]) -> tuple[float, float]:
 
 
 def connector_counters(cluster: Cluster, engines: list[ManagedServer] | None = None) -> dict[str, float]:
-    """What proves KV moved and was checked, summed over ``engines`` (default: all; since each one's start)."""
+    """What proves KV moved and was checked, summed over ``engines`` (default: all; since each one's
+    start)."""
     names = ("bytes_sent", "transfers_received", "failures", "integrity_failures")
     totals = dict.fromkeys(names, 0.0)
     for server in cluster.engines if engines is None else engines:

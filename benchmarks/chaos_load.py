@@ -24,8 +24,9 @@ SERVED = "model"
 OUTCOMES = ("ok", "failed_clean", "wrong_tokens", "hung", "disconnected")
 #: Words of the chat prompts (English words tokenize to about one token each).
 _TEXT = (
-    "the of and to in is was for on that with as by at from his an were are which this be or had not but first "
-    "new two time year city state world river school house water music light table window paper letter number "
+    "the of and to in is was for on that with as by at from his an were are which this be or had not "
+    "but first new two time year city state world river school house water music light table window "
+    "paper letter number "
     "order point story system market family garden summer winter evening"
 )
 WORDS = tuple(_TEXT.split())

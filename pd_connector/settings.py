@@ -1,4 +1,5 @@
-"""The connector's transfer settings, defined once (names, types, defaults, checks), and the one parser of them.
+"""The connector's transfer settings, defined once (names, types, defaults, checks), and the one parser of
+them.
 
 Who uses it, once per process at start-up: the engine adapters and the transfer engine. What a user sets on
 either engine is ``ConnectorSettings`` plus the adapter's own fields: ``vllm.config.PDConnectorConfig`` (vLLM's
@@ -32,9 +33,9 @@ class SettingError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TransferSettings:
-    """How long a transfer and its connections may take and which peers to deal with: the settings the transfer
-    engine and both adapters share, under these names and with these defaults. Every ``*_s`` (here and in
-    subclasses) is a positive number of seconds."""
+    """How long a transfer and its connections may take and which peers to deal with: the settings the
+    transfer engine and both adapters share, under these names and with these defaults. Every ``*_s`` (here
+    and in subclasses) is a positive number of seconds."""
 
     #: Connecting and handshaking with a peer.
     connect_timeout_s: float = 5.0
