@@ -1,4 +1,5 @@
-"""The router's aiohttp application: OpenAI endpoints, health/readiness, metrics and the admin API.
+"""The router's aiohttp application: OpenAI endpoints, health/readiness, metrics, and the admin API
+(``admin.py``) mounted on it.
 
 Built by ``make_app(cfg)`` and served by ``cli.py`` behind the lean front (``front.py``), which answers most
 completion requests itself through ``complete``; unit tests serve it the same way. One
@@ -23,18 +24,18 @@ import msgspec
 import zmq.asyncio
 from aiohttp import web
 
+from router.admin import add_admin_routes
 from router.balancer import Balancer, Worker
-from router.config import RouterConfig, WorkerConfig, secret_hook, worker_errors
+from router.config import RouterConfig, WorkerConfig
 from router.downstream import Downstream, Reply, json_reply
-from router.errors import ApiError, aiohttp_response, bad_request
+from router.errors import ApiError, aiohttp_response
 from router.health import HealthChecker
 from router.http1 import Pool
 from router.kv_events import KvEventsSubscriber, WorkerEvents
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.policy import make_policy
 from router.proxy import Proxy
-from router.requests import Kind, check_media_type, decode_json, parse
-from router.roles import parse_switch, switch_role
+from router.requests import Kind, check_media_type, parse
 from router.tokenize import PromptTokenizer
 from router.trace import Tracer
 from router.upstream import check_health
@@ -340,93 +341,6 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-# ---- admin API: list, add, remove, drain, switch workers at runtime ---------------------------------------
-
-
-class _WorkerRef(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    url: str
-
-
-class _AddWorker(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    worker: WorkerConfig
-
-
-def _admin_body(raw: bytes, spec: type[Any]) -> Any:
-    try:
-        value = msgspec.convert(decode_json(raw), spec, strict=True)
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid admin request: {e}") from None
-    if value.role not in ("prefill", "decode"):
-        raise bad_request("role must be 'prefill' or 'decode'", "role")
-    return value
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return aiohttp_response(json_reply(status, msgspec.json.encode(obj)))
-
-
-async def _list_workers(request: web.Request) -> web.Response:
-    return _json({"workers": [w.describe() for w in request.app[STATE].balancer.all_workers()]})
-
-
-async def _add_worker(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    try:
-        req = msgspec.convert(
-            decode_json(await _read_body(request)), _AddWorker, strict=True, dec_hook=secret_hook
-        )
-    except msgspec.ValidationError as e:
-        raise bad_request(f"invalid admin request: {e}") from None
-    if req.role not in ("prefill", "decode"):
-        raise bad_request("role must be 'prefill' or 'decode'", "role")
-    problems = worker_errors(req.worker, req.role, state.cfg.flow)
-    if problems:
-        raise bad_request("; ".join(problems), "worker")
-    try:
-        worker = await state.admit(req.worker, req.role)
-    except ValueError as e:
-        raise ApiError(409, str(e)) from None
-    log.info("admin: added %s worker %s", req.role, req.worker.url)
-    return _json(worker.describe(), 201)
-
-
-async def _remove_worker(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    ref = _admin_body(await _read_body(request), _WorkerRef)
-    try:
-        worker = await state.retire(ref.url, ref.role)
-    except KeyError:
-        raise ApiError(404, f"no {ref.role} worker {ref.url}") from None
-    log.info("admin: removed %s worker %s (%d legs finish there)", ref.role, ref.url, worker.active)
-    return _json(worker.describe())
-
-
-async def _drain_worker(request: web.Request) -> web.Response:
-    """Stop sending new requests to a worker (``{"drain": false}`` in the body undoes it)."""
-    state = request.app[STATE]
-    raw = await _read_body(request)
-    body = decode_json(raw)
-    drain = body.pop("drain", True)
-    if not isinstance(drain, bool):
-        raise bad_request("drain must be true or false", "drain")
-    ref = _admin_body(msgspec.json.encode(body), _WorkerRef)
-    worker = state.balancer.pool(ref.role).find(ref.url)
-    if worker is None:
-        raise ApiError(404, f"no {ref.role} worker {ref.url}")
-    worker.draining = drain
-    state.balancer.pool(ref.role).notify()
-    log.info("admin: %s %s worker %s", "draining" if drain else "undrained", ref.role, ref.url)
-    return _json(worker.describe())
-
-
-async def _switch_role(request: web.Request) -> web.Response:
-    """Move a worker to the other pool once its legs of the old role ended (``router.roles``)."""
-    req = parse_switch(await _read_body(request))
-    return _json((await switch_role(request.app[STATE], req)).describe())
-
-
 def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Application:
     """The router as an aiohttp app (start-up runs a first health round and starts the checker)."""
     app = web.Application(middlewares=[_errors], client_max_size=cfg.server.max_body_bytes)
@@ -445,9 +359,5 @@ def make_app(cfg: RouterConfig, rng: random.Random | None = None) -> web.Applica
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/admin/workers", _list_workers)
-    app.router.add_post("/admin/workers", _add_worker)
-    app.router.add_delete("/admin/workers", _remove_worker)
-    app.router.add_post("/admin/workers/drain", _drain_worker)
-    app.router.add_post("/admin/workers/role", _switch_role)
+    add_admin_routes(app, state, _read_body)
     return app
