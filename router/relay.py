@@ -80,9 +80,9 @@ async def relay(
     ends the stream, the worker's stream is closed unread. ``stamps`` (a seeded P/D request's) gets
     ``decode_continued`` when the first bytes of D's own stream arrive. The first event goes out through
     ``client.write``; the rest are relayed by a ``Pump`` inside the upstream connection's read callback,
-    byte for byte, all complete events of one read in one write. This
-    coroutine only waits for the end, an error, the idle timeout or a slow client. After ``[DONE]`` the
-    upstream connection is released for reuse; the caller closes it on any other exit.
+    byte for byte, all complete events of one read in one write. This coroutine only waits for the end, an
+    error, the idle timeout or a slow client. After ``[DONE]`` the upstream connection is released for
+    reuse; the caller closes it on any other exit.
     """
     client, state, strip, idle_s = stream.client, stream.state, stream.strip, stream.idle_s
 
