@@ -3,42 +3,29 @@ gap plot it draws; both run in the benchmark's harness process."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from pd_disagg.servers import descendants, process_cpu_seconds
 from scheduler_plugins.step_clock import RunQueueWait
 
 
 def process_cpu_s(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of the server's own process (``api_server``: vLLM's front end)
-    and of its descendants, summed by process name (vLLM names them: ``VLLM::EngineCor``, ``VLLM::Worker``,
-    ...), from ``/proc``: which process had the cores; and, as ``<name> wait``, the seconds their main
-    threads spent runnable but waiting for a CPU (``schedstat``): how much other processes kept them off."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu, name = {}, {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
+    and of its live descendants, summed by process name (vLLM names them: ``VLLM::EngineCor``,
+    ``VLLM::Worker``, ...), from ``/proc``: which process had the cores; and, as ``<name> wait``, the seconds
+    their main threads spent runnable but waiting for a CPU (``schedstat``): how much other processes kept
+    them off."""
+    own = process_cpu_seconds(root)
+    out = {"api_server": own[1] if own else 0.0, "api_server wait": RunQueueWait([root]).seconds()}
+    for pid in descendants(root):
+        got = process_cpu_seconds(pid)
+        if got is None:
             continue  # the process ended while we listed them
-        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "; fields[0] is the state
-        pid = int(stat.parent.name)
-        parent[pid], cpu[pid] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
-        name[pid] = text[text.index("(") + 1 : text.rindex(")")]
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            pid = parent.get(pid, 0)
-            if pid == root:
-                return True
-        return False
-
-    out = {"api_server": cpu.get(root, 0.0), "api_server wait": RunQueueWait([root]).seconds()}
-    for pid in filter(under, cpu):
-        out[name[pid]] = out.get(name[pid], 0.0) + cpu[pid]
-        out[f"{name[pid]} wait"] = out.get(f"{name[pid]} wait", 0.0) + RunQueueWait([pid]).seconds()
+        name, cpu = got
+        out[name] = out.get(name, 0.0) + cpu
+        out[f"{name} wait"] = out.get(f"{name} wait", 0.0) + RunQueueWait([pid]).seconds()
     return out
 
 

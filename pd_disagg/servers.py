@@ -58,18 +58,29 @@ def free_ports(n: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
     raise RuntimeError(f"no {n} consecutive free ports on {host} after {attempts} attempts")
 
 
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """The command name of ``pid`` and the fields of /proc/PID/stat after it (None: the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+
+
+def _cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds in the fields of a /proc/PID/stat (all the process's threads)."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _live_processes() -> Iterator[tuple[int, list[str]]]:
     """(PID, the fields of /proc/PID/stat after the command name) of every live (non-zombie) process."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            yield int(entry), fields
+        stat = _stat(int(entry))
+        if stat is not None and stat[1][0] != "Z":
+            yield int(entry), stat[1]
 
 
 def process_group_members(pgid: int) -> list[int]:
@@ -98,15 +109,13 @@ def process_group_cpu_seconds(pgid: int) -> float:
 
     Benchmarks use it for per-request CPU and idle CPU, figures that depend less on other load than rates.
     """
-    ticks = 0
-    for pid in process_group_members(pgid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(cpu for _, cpu in filter(None, map(process_cpu_seconds, process_group_members(pgid))))
+
+
+def process_cpu_seconds(pid: int) -> tuple[str, float] | None:
+    """The command name of ``pid`` and its user + system CPU seconds so far (None: the process is gone)."""
+    stat = _stat(pid)
+    return None if stat is None else (stat[0], _cpu_seconds(stat[1]))
 
 
 def _die_with_parent() -> None:
