@@ -218,7 +218,7 @@ def continuation(parsed: Parsed, state: StreamState, context: int | None = None)
         body["max_tokens"] = left if left is not None else max(1, (context or 0) - len(body["prompt"]))
         return body
     if ids and parsed.text_of_ids is not None:
-        cut = parsed.text_of_ids(ids).count("\ufffd") - so_far.count("\ufffd")
+        cut = _partial_characters(parsed.text_of_ids, ids, so_far)
         if cut > 0:
             raise Unresumable(
                 f"the stream broke inside a character ({cut} partial character(s) the text does not carry)"
@@ -234,6 +234,12 @@ def continuation(parsed: Parsed, state: StreamState, context: int | None = None)
     body["add_generation_prompt"] = False
     body["continue_final_message"] = True
     return body
+
+
+def _partial_characters(text_of: Callable[[list[int]], str], ids: list[int], delivered_text: str) -> int:
+    """How many characters the delivered ``ids`` end inside of: their bytes decode to U+FFFD, which the
+    text the client got (``delivered_text``) does not carry (a partial character streams no text)."""
+    return text_of(ids).count("\ufffd") - delivered_text.count("\ufffd")
 
 
 def as_completion(parsed: Parsed, body: dict[str, Any]) -> bool:
@@ -260,7 +266,7 @@ class Seam:
 
     def __init__(self, text_of: Callable[[list[int]], str], ids: list[int], delivered_text: str) -> None:
         self._text_of = text_of
-        partial = text_of(ids).count("\ufffd") - delivered_text.count("\ufffd")
+        partial = _partial_characters(text_of, ids, delivered_text)
         k = 0
         if partial > 0:  # the fewest trailing ids whose removal leaves only text the client has
             k = next(
