@@ -22,8 +22,9 @@ import msgspec
 import pytest
 from tokenizers import Tokenizer
 
-from pd_disagg.engines import base_url, router_server, vllm_server
-from pd_disagg.servers import ManagedServer, free_port
+from integration_tests import decode_pair
+from pd_disagg.engines import base_url
+from pd_disagg.servers import ManagedServer
 from router.requests import parse
 from router.streaming import Seam, Stitcher, StreamState, as_completion, continuation
 from router.tokenize import PromptTokenizer
@@ -36,38 +37,13 @@ MAX_TOKENS = 900
 
 @pytest.fixture(scope="module")
 def decodes(start_servers, tiny_model: Path, log_dir: Path) -> list[ManagedServer]:
-    return start_servers(
-        *(
-            vllm_server(
-                tiny_model,
-                log_dir=log_dir,
-                name=f"chat-resume-d{i}",
-                cpu_core=i,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-            )
-            for i in range(2)
-        )
-    )
+    return start_servers(*decode_pair.decode_servers(tiny_model, log_dir, "chat-resume", MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
 def router(start_servers, tmp_path_factory, tiny_model: Path, log_dir: Path, decodes) -> ManagedServer:
-    lines = [
-        'flow = "pd-push"',
-        "[model]",
-        f"path = {json.dumps(str(tiny_model))}",
-        f"max_model_len = {MAX_MODEL_LEN}",
-        "[health]",
-        "interval_s = 0.5",
-        "[retry]",
-        "backoff_base_s = 0.01",
-    ]
-    for d in decodes:
-        lines += ["[[decode]]", f"url = {json.dumps(base_url(d))}"]
     config = tmp_path_factory.mktemp("chat-resume") / "router.toml"
-    config.write_text("\n".join(lines) + "\n")
-    (server,) = start_servers(router_server(config, log_dir=log_dir, port=free_port()))
+    (server,) = start_servers(decode_pair.decode_router(config, tiny_model, log_dir, MAX_MODEL_LEN, decodes))
     return server
 
 

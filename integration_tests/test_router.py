@@ -22,8 +22,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from pd_disagg.engines import base_url, router_server, vllm_server
-from pd_disagg.servers import ManagedServer, free_port
+from integration_tests import decode_pair
+from pd_disagg.engines import base_url
+from pd_disagg.servers import ManagedServer
 
 MAX_MODEL_LEN = 1024
 THRESHOLD = 64
@@ -32,47 +33,18 @@ SHORT = "def add(a, b):"
 
 @pytest.fixture(scope="module")
 def decode_servers(start_servers, tiny_model: Path, log_dir: Path) -> list[ManagedServer]:
-    return start_servers(
-        *(
-            vllm_server(
-                tiny_model,
-                log_dir=log_dir,
-                name=f"router-d{i}",
-                cpu_core=i,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-            )
-            for i in range(2)
-        )
-    )
-
-
-def _toml(value: Any) -> str:
-    return json.dumps(value)  # JSON strings and numbers are valid TOML values
+    return start_servers(*decode_pair.decode_servers(tiny_model, log_dir, "router", MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
 def router_proc(
     start_servers, tmp_path_factory, tiny_model: Path, log_dir: Path, decode_servers
 ) -> ManagedServer:
-    lines = [
-        'flow = "pd-push"',
-        "[model]",
-        f"path = {_toml(str(tiny_model))}",
-        f"max_model_len = {MAX_MODEL_LEN}",
-        "[policy]",
-        f"threshold_tokens = {THRESHOLD}",
-        "[health]",
-        "interval_s = 0.5",
-        "[retry]",
-        "backoff_base_s = 0.01",
-    ]
-    for d in decode_servers:
-        lines += ["[[decode]]", f"url = {_toml(base_url(d))}"]
     config = tmp_path_factory.mktemp("router") / "router.toml"
-    config.write_text("\n".join(lines) + "\n")
-    port = free_port()
-    (server,) = start_servers(router_server(config, log_dir=log_dir, port=port))
+    policy = {"threshold_tokens": THRESHOLD}
+    (server,) = start_servers(
+        decode_pair.decode_router(config, tiny_model, log_dir, MAX_MODEL_LEN, decode_servers, policy)
+    )
     return server
 
 
