@@ -22,6 +22,7 @@ predicted while the workers waited was slowed by other processes on their cores,
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,11 +89,16 @@ class StepClock:
         return StepSample(shape, predicted, forward, now - began, cpu - cpu0, wait)
 
 
+#: The most steps ``StepStats`` keeps: the adapter logs (and so resets) them only on steps that plan a
+#: prefill chunk, and a node with none for a while (decodes only, or prefill mode) would keep every step.
+MAX_SAMPLES = 4096
+
+
 @dataclass
 class StepStats:
-    """The steps measured since the last log line, summarised for it."""
+    """The steps measured since the last log line (the latest ``MAX_SAMPLES`` of them), summarised for it."""
 
-    samples: list[StepSample] = field(default_factory=list)
+    samples: deque[StepSample] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
     def add(self, sample: StepSample) -> None:
         self.samples.append(sample)

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from scheduler_plugins.config import SchedulerSettings, StepTime, load_settings
-from scheduler_plugins.cost_model import CostModel, StepShape
-from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepStats, feasibility, pinned_cores
+from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
+from scheduler_plugins.step_clock import (
+    MAX_SAMPLES,
+    RunQueueWait,
+    StepClock,
+    StepSample,
+    StepStats,
+    feasibility,
+    pinned_cores,
+)
 
 SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
 
@@ -130,3 +138,14 @@ def test_pinned_cores_are_the_single_core_threads(tmp_path: Path) -> None:
 def test_pinned_cores_of_this_process() -> None:
     cores = pinned_cores([os.getpid()])
     assert cores <= os.sched_getaffinity(0)
+
+
+def test_stats_keep_only_the_latest_steps_between_two_log_lines() -> None:
+    """A node that plans no prefill for a long time never logs (nor resets) its stats: they keep the latest
+    ``MAX_SAMPLES`` steps instead of growing with every step."""
+    stats = StepStats()
+    shape = step_shape([(1, 10)])
+    for i in range(MAX_SAMPLES + 10):
+        stats.add(StepSample(shape, 0.01, 0.01, 0.01 + i, 0.0))
+    assert len(stats.samples) == MAX_SAMPLES and stats.samples[0].cycle_s == 0.01 + 10
+    assert stats.summary().startswith(f"steps={MAX_SAMPLES} ") and not stats.samples
