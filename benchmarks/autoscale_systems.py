@@ -21,6 +21,7 @@ every config passes Serve's schema and the application's own checks.
 from __future__ import annotations
 
 import copy
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,10 @@ def serve_config(system: str, knobs: Knobs) -> dict[str, Any]:
     args["served_model_name"] = "model"
     args["side_channel_port_base"] = 0
     args["log_dir"] = str(knobs.log_dir)
+    # The example names the variable holding the connector's key (secret_env): a fresh key for P and D.
+    key = {args["connector"]["secret_env"]: secrets.token_hex(32)}
     for role in ("prefill", "decode"):
-        args[role]["env"] = {**args[role]["env"], **ENGINE_ENV}
+        args[role]["env"] = {**args[role]["env"], **ENGINE_ENV, **key}
     args["router"]["server"] = {"host": "127.0.0.1", "port": knobs.router_port}
     front = {"num_cpus": 0, "resources": {"front": 0.01}}
     deployments: list[dict[str, Any]] = [{"name": "PDRouter", "num_replicas": 1, "ray_actor_options": front}]

@@ -11,6 +11,7 @@ root, where ``make test`` builds it), so the servers run from the repository roo
 from __future__ import annotations
 
 import json
+import secrets
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ def shipped(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Any]:
     model = config["model"]["path"]
     assert (ROOT / model).resolve() == tiny_model.resolve(), "the example's model path is the test model"
     (prefill,), (decode,) = config["prefill"], config["decode"]
+    # The connector files name the variable holding the shared key (secret_env); as a user would, export it.
+    variable = json.loads((EXAMPLES / "pd_connector.prefill.json").read_text())["kv_connector_extra_config"]
+    secret_env = {variable["secret_env"]: secrets.token_hex(32)}
     engines = [
         vllm_server(
             model,
@@ -49,6 +53,7 @@ def shipped(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Any]:
             max_model_len=config["model"]["max_model_len"],
             kv_transfer_config=Path("examples") / f"pd_connector.{role}.json",
             cwd=ROOT,
+            env=secret_env,
         )
         for role, worker, core in (("prefill", prefill, 0), ("decode", decode, 1))
     ]

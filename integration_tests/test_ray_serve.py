@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -99,7 +100,9 @@ def test_shipped_ray_serve_app_disaggregates_and_dies_with_its_cluster(
         ],
         log_path=log_dir / f"ray-head-{gcs_port}.log",
         health_url="",  # no HTTP endpoint without the dashboard: ready when the GCS port accepts (_listening)
-        env={"RAY_USAGE_STATS_ENABLED": "0"},
+        # The example's connector names the variable holding the key (secret_env); as docs/multi-host.md says,
+        # it is exported where Ray starts, and Ray's workers and so the engines inherit it.
+        env={"RAY_USAGE_STATS_ENABLED": "0", app["connector"]["secret_env"]: secrets.token_hex(32)},
     )
     serve_run = ManagedServer(
         name="serve-run",

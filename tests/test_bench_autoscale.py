@@ -157,6 +157,8 @@ def test_each_system_is_a_serve_config_the_application_accepts(system: str, tmp_
     app = schema.applications[0]
     parsed = parse_args(app.args)
     assert parsed.router["server"]["port"] == 8301
+    variable = parsed.connector["secret_env"]  # the example's: the engines need the key in their environment
+    assert parsed.prefill.env[variable] == parsed.decode.env[variable] != ""
     engines = {
         d["name"]: d for d in config["applications"][0]["deployments"] if d["name"] in ("Prefill", "Decode")
     }

@@ -36,6 +36,10 @@ def test_example_arguments_pass_and_the_router_matches_the_engines() -> None:
         assert int(_flag(vllm_args, "--block-size")) == cfg.kv_routing.block_size
         assert int(_flag(vllm_args, "--max-model-len")) == cfg.model.max_model_len
     assert cfg.flow == "pd-push" and cfg.model.path == ".cache/models/tiny-llama"
+    connector = _app()["args"]["connector"]
+    assert "secret" not in connector and connector["secret_env"], (
+        "the example ships a variable's name, no key"
+    )
 
 
 def test_example_names_every_deployment_the_builder_makes() -> None:
