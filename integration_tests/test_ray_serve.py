@@ -31,6 +31,10 @@ from pd_disagg.servers import ManagedServer, descendants, free_port, process_gro
 from tests.polling import wait_until
 
 CONFIG = ROOT / "examples" / "ray_serve.yaml"
+# Ray's token authentication off for the head and `serve run` alike: with a ~/.ray/auth_token on the host (any
+# local ray.init() writes one), Ray 2.60's `ray start --head` turns it on while `serve run` does not send it,
+# and cannot connect (InvalidAuthToken). This test is about the application, on loopback.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 300.0
 
@@ -102,7 +106,7 @@ def test_shipped_ray_serve_app_disaggregates_and_dies_with_its_cluster(
         health_url="",  # no HTTP endpoint without the dashboard: ready when the GCS port accepts (_listening)
         # The example's connector names the variable holding the key (secret_env); as docs/multi-host.md says,
         # it is exported where Ray starts, and Ray's workers and so the engines inherit it.
-        env={"RAY_USAGE_STATS_ENABLED": "0", app["connector"]["secret_env"]: secrets.token_hex(32)},
+        env={**RAY_ENV, app["connector"]["secret_env"]: secrets.token_hex(32)},
     )
     serve_run = ManagedServer(
         name="serve-run",
@@ -110,6 +114,7 @@ def test_shipped_ray_serve_app_disaggregates_and_dies_with_its_cluster(
         log_path=log_dir / f"serve-run-{gcs_port}.log",
         health_url=f"{router}/ready",
         cwd=ROOT,
+        env=RAY_ENV,
     )
     engines: set[int] = set()
     ray_processes: set[int] = set()
