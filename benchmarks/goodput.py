@@ -51,6 +51,7 @@ from benchmarks.goodput_analysis import (
     summarize,
 )
 from benchmarks.goodput_systems import SERVED, SYSTEMS, System, build
+from benchmarks.prompts import model_limits
 from pd_disagg.engines import base_url
 
 LOG_DIR = Path("logs/benchmarks/goodput")
@@ -286,8 +287,7 @@ def main() -> None:
         args.slo_scales.append(HEADLINE_SCALE)
     args.slo_scales.sort()
     args.model = args.model.resolve()
-    config = json.loads((args.model / "config.json").read_text())
-    args.vocab, args.max_len = int(config["vocab_size"]), int(config["max_position_embeddings"])
+    args.vocab, args.max_len = model_limits(args.model)
     if str(args.plot_dir) in ("", "."):
         args.plot_dir = None
     LOG_DIR.mkdir(parents=True, exist_ok=True)

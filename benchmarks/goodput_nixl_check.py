@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.goodput_systems import SERVED, build
+from benchmarks.prompts import model_limits
 from integration_tests.pd_checks import metric
 from pd_disagg.engines import base_url
 
@@ -76,8 +77,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="alternately unary and streamed")
     args = parser.parse_args()
     model = args.model.resolve()
-    max_len = int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    vocab, max_len = model_limits(model)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     system = build("nixl", model, args.dtype, max_len, LOG_DIR)

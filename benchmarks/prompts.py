@@ -9,8 +9,25 @@ takes the documents in its own order, so no two prompts share a prefix-cache blo
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
+from typing import NamedTuple
+
+
+class ModelLimits(NamedTuple):
+    """What random token-id prompts for a served model must respect (its Hugging Face ``config.json``), for
+    the benchmarks that size prompts by the context as well as draw ids from the vocabulary."""
+
+    vocab: int  # token ids below this
+    max_len: int  # positions: prompt plus output tokens
+
+
+def model_limits(model: Path) -> ModelLimits:
+    """The vocabulary size and context length of the model in directory ``model``."""
+    config = json.loads((model / "config.json").read_text())
+    return ModelLimits(int(config["vocab_size"]), int(config["max_position_embeddings"]))
+
 
 #: Documents a user pastes before a question: the long prompts (routed P->D). Topics are ordinary on purpose.
 DOCUMENTS = (

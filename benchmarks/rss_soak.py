@@ -9,9 +9,9 @@ of every engine after each round. Requests: token-id prompts of 16-800 tokens (p
 ones P->D, the shorter ones to D alone), 16 output tokens, half of them streamed, ``--concurrency`` at once.
 
 ``growth_mb`` is an engine's memory after the last round minus after the first (the first round's own
-growth counts as warm-up); ``per_1k_requests_mb`` scales the
-system's total by the requests served after the first round. Progress on stderr; the last stdout line is
-the JSON summary (docs/performance.md ``## rss_soak``); ``--plot`` draws every engine's memory by round.
+growth counts as warm-up); ``per_1k_requests_mb`` scales the system's total by the requests served after the
+first round. Progress on stderr; the last stdout line is the JSON summary (docs/performance.md
+``## rss_soak``); ``--plot`` draws every engine's memory by round.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import aiohttp
 from benchmarks.chaos_cluster import rss_mb
 from benchmarks.first_token import SERVED
 from benchmarks.goodput_systems import build
+from benchmarks.prompts import model_limits
 
 SYSTEMS = ("pd", "aggregated")
 PROMPT_TOKENS = (16, 800)
@@ -138,8 +139,7 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds: at least 2 (growth is measured from the first round's end)")
     args.model = args.model.resolve()
-    config = json.loads((args.model / "config.json").read_text())
-    args.vocab, args.max_len = int(config["vocab_size"]), int(config["max_position_embeddings"])
+    args.vocab, args.max_len = model_limits(args.model)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     systems = {name: run_system(name, args, LOG_DIR) for name in SYSTEMS}

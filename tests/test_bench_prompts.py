@@ -1,5 +1,6 @@
 """The real-text prompts of the latency benchmarks have exactly the length asked for, end with the question,
-and never share a first block (each would otherwise be a prefix-cache hit for the next)."""
+and never share a first block (each would otherwise be a prefix-cache hit for the next); random-id prompts
+read their model's limits from its config."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from benchmarks.prompts import DOCUMENTS, QUESTION, RealPrompts
+from benchmarks.prompts import DOCUMENTS, QUESTION, RealPrompts, model_limits
 
 
 def _word_tokenizer(root: Path) -> Path:
@@ -36,3 +37,9 @@ def test_document_prompts_have_the_asked_length_and_distinct_starts(tmp_path: Pa
     assert all(0 not in p for p in made), "every piece of text is known to the test tokenizer"
     assert len({tuple(p[:4]) for p in made}) == len(made)  # "Request <n>." alone tells them apart
     assert prompts.document(5, rng) and len(prompts.document(5, rng)) == 5
+
+
+def test_model_limits_are_the_configs_vocabulary_and_context(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"vocab_size": 4096, "max_position_embeddings": 1024, "x": 1}')
+    limits = model_limits(tmp_path)
+    assert (limits.vocab, limits.max_len) == (4096, 1024)
