@@ -20,10 +20,10 @@ within one request keeps it measurable where P's prefill varies between requests
 (the bench model here). ``fixed_overhead_unpaired_ms`` is the older estimate, per repetition TTFT pd minus
 the prefill request's TTFT, then the median. ITL is the gaps between the events the client got (one per
 token unless an engine merged them), pd vs colocated; ``first_gap_ms`` is the first of them (with
-first-token seeding, P's token to D's first: the hand-off), the rest are ``later_itl_ms``. ``stages_ms`` is
-the median of each span between anchor stamps of the P/D requests' trace records along the first token's
-path (``SPANS``: with first-token seeding it runs through P's answer), ``handoff_ms`` the same for the
-hand-off to D beside it (``HANDOFF``).
+first-token seeding, P's token to the first D sampled: D's first step), the rest are ``later_itl_ms``.
+``stages_ms`` is the median of each span between anchor stamps of the P/D requests' trace records along the
+first token's path (``SPANS``: with first-token seeding, P's token streamed by D, it runs from P's prefill
+through the hand-off to D), ``p_answer_ms`` the same for P's answer beside it (``P_ANSWER``).
 
 Progress on stderr; the last stdout line is the JSON summary; ``--plot`` writes a PNG of the stages
 (docs/performance.md ``## first_token``).
@@ -53,24 +53,26 @@ from pd_disagg.tiny_model import bench_model
 LOG_DIR = Path("logs/benchmarks/first_token")
 SERVED = "model"
 #: The first token's path as spans between anchor stamps, in order: (name, (component, stage) from, to).
-#: Their sum is the router's TTFT: with first-token seeding the client's first token is P's, so the path runs
-#: through P's answer; components are the trace records' (prefill, decode, router).
+#: Their sum is the router's TTFT: with first-token seeding in pd-push (no logprobs asked) the client's first
+#: token is P's, streamed by D as soon as D learnt its load ended, so the path runs from P's prefill through
+#: the hand-off to D's first event; components are the trace records' (prefill, decode, router).
 SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("router_in", ("router", "received"), ("router", "prefill_sent")),
     ("to_p_engine", ("router", "prefill_sent"), ("prefill", "offered")),
     ("p_prefill", ("prefill", "offered"), ("prefill", "prompt_done")),
-    ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
-    ("router_out", ("router", "prefill_returned"), ("router", "client_first_byte")),
+    ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
+    ("done_to_d", ("prefill", "done"), ("decode", "done")),
+    ("d_report", ("decode", "done"), ("decode", "reported")),
+    ("d_first_token", ("decode", "reported"), ("router", "decode_first_event")),
+    ("router_out", ("router", "decode_first_event"), ("router", "client_first_byte")),
 )
 #: P's own time on a P/D request, what a request sent straight to P pays too: vLLM's front end and the
 #: prefill.
 P_SPAN: tuple[tuple[str, str], tuple[str, str]] = (("router", "prefill_sent"), ("prefill", "prompt_done"))
-#: The hand-off to D, beside that path (D continues from P's token once its load is reported).
-HANDOFF: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
-    ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
-    ("done_to_d", ("prefill", "done"), ("decode", "done")),
-    ("d_report", ("decode", "done"), ("decode", "reported")),
-    ("d_first_token", ("decode", "reported"), ("router", "decode_continued")),
+#: Beside the path: P's answer, which the client's first token no longer waits for (end of the prefill ->
+#: the router had P's answer: sampling, vLLM's output path on P, HTTP).
+P_ANSWER: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
+    ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
 )
 
 
@@ -295,7 +297,7 @@ def measure(
             "fixed_overhead_unpaired_ms": round(1000 * statistics.median(unpaired[length]), 2),
             **{key: {kind: gaps[kind][key] for kind in gaps} for key in gaps["pd"]},
             "stages_ms": stage_breakdown(mine),
-            "handoff_ms": stage_breakdown(mine, HANDOFF),
+            "p_answer_ms": stage_breakdown(mine, P_ANSWER),
         }
     return out
 

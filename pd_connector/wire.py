@@ -44,13 +44,17 @@ class PushDecode(msgspec.Struct, frozen=True):
     """D's leg in our push flow: load the prompt of ``pd_transfer_id`` from P's side channel.
 
     ``pd_seed_first_token``: continue from P's first sampled token (which P's ``Done`` carries over the side
-    channel) instead of sampling one's own; pd-router sets it only when it streams P's token to the client.
+    channel) instead of sampling one's own; pd-router sets it only when the client is to get P's token.
+    ``pd_stream_first_token`` (with it): D's own stream carries P's token as its first, so the client gets it
+    as soon as D has it, without waiting for P's answer; D honours it for a request without logprobs only
+    (P's token has its logprobs in P's answer alone), and pd-router sets it only then.
     """
 
     pd_transfer_id: TransferId
     pd_prefill_addr: PrefillAddr
     pd_role: Literal["decode"] = "decode"
     pd_seed_first_token: bool = False
+    pd_stream_first_token: bool = False
 
 
 class StandardPrefill(msgspec.Struct, frozen=True):
@@ -126,12 +130,12 @@ class NixlReturned(msgspec.Struct, frozen=True):
 
 _NEEDED: dict[type[Params], tuple[str, ...]] = {
     PushPrefill: ("pd_transfer_id", "pd_test_corrupt"),
-    PushDecode: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token"),
+    PushDecode: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token", "pd_stream_first_token"),
     PrefillReturned: ("pd_transfer_id", "pd_prefill_addr", "pd_seed_first_token", "pd_first_token"),
 }
 #: Optional fields left out of ``encode``'s output while unset (False or None), so legs that do not use them
 #: stay as they were.
-_QUIET_FIELDS = ("pd_test_corrupt", "pd_seed_first_token", "pd_first_token")
+_QUIET_FIELDS = ("pd_test_corrupt", "pd_seed_first_token", "pd_stream_first_token", "pd_first_token")
 
 
 def encode(params: Params | NixlReturned) -> dict[str, Any]:

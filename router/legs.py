@@ -5,9 +5,11 @@ process, one coroutine per request. Per flow (docs/wire-contract.md): pd-push se
 transfer id; vllm-standard sends P first and D what P returned, trying other P on failure and prefilling on
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
 (``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
-``seeding.applies`` to streams P's first token as soon as P's leg answered and asks D to continue from it
-(``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its own first token: the client
-then gets D's stream alone, as from vLLM's own proxies.
+``seeding.applies`` to has D continue from P's first token. In pd-push, D's own stream carries that token
+when it can (``seeding.decode_streams_first``), and is relayed as any stream while P's leg runs on, a failed
+P leg failing the attempt until D's first event came (``guard``); otherwise the router streams P's token as
+soon as P's leg answered (``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its
+own first token: the client then gets D's stream alone, as from vLLM's own proxies.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
-from router.seeding import NotSeedable, applies, first_events, prompt_tokens
-from router.streaming import Stitcher, StreamState, strip_token_ids
+from router.seeding import NotSeedable, applies, decode_streams_first, first_events, prompt_tokens
+from router.streaming import Stitcher, StreamState, error_message, opens_chat, strip_token_ids
 from router.trace import Stamps
 from router.upstream import (
     UpstreamError,
@@ -83,6 +85,11 @@ class Legs:
         """Whether a P/D attempt for ``body`` has D continue from P's first token (both vLLM flows)."""
         return self.cfg.flow != "sglang-bootstrap" and applies(body)
 
+    def decode_streams_first(self, body: dict[str, Any]) -> bool:
+        """Whether a P/D attempt for ``body`` has D's own stream carry P's first token (pd-push, seeded, no
+        logprobs): P's answer is then not waited for."""
+        return self.cfg.flow == "pd-push" and self.seeds(body) and decode_streams_first(body)
+
     async def start(
         self,
         path: str,
@@ -131,7 +138,8 @@ class Legs:
         task.add_done_callback(_consume)
         if stamps is not None:
             task.add_done_callback(functools.partial(_returned, stamps))
-        d_body = decode_body(body, flow, transfer, prefill, room, seed=seed)
+        stream_first = self.decode_streams_first(body)
+        d_body = decode_body(body, flow, transfer, prefill, room, seed=seed, stream_first=stream_first)
         return msgspec.json.encode({**d_body, **extra}), False, task
 
     def _prefill_candidates(self, first: Worker, failed: set[Worker]) -> list[Worker]:
@@ -155,16 +163,7 @@ class Legs:
         """Await a D leg; in sglang-bootstrap a failed P leg aborts it (SGLang's D cannot prefill alone)."""
         if p_task is None or self.cfg.flow != "sglang-bootstrap":
             return await leg
-        d_task = asyncio.ensure_future(leg)
-        try:
-            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-            if p_task.done() and p_task.exception() is not None and not d_task.done():
-                d_task.cancel()
-                raise PrefillFailed("prefill", "prefill leg failed; SGLang decode cannot continue without it")
-            return await d_task
-        finally:
-            if not d_task.done():
-                d_task.cancel()
+        return await guard(p_task, leg, "SGLang decode cannot continue without it")
 
     async def opening(
         self,
@@ -179,8 +178,12 @@ class Legs:
     ) -> tuple[Response, bytes, bytes, Stitcher | None]:
         """D's stream, and what the client gets first: ``(resp, lead, first, stitcher)``.
 
-        Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``). Seeded:
-        D's stream is opened and, once P's leg answered, ``lead`` holds P's first token as stream events
+        Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``). Seeded
+        with D's stream carrying P's token (``decode_streams_first``): D's events up to its first past a
+        chat's role chunk, failing as P's fault (``PrefillFailed``, nothing reached the client) if P's leg
+        fails before that event or it is an error (D ended the request: P's token never reached it).
+        Otherwise seeded: D's stream is opened and,
+        once P's leg answered, ``lead`` holds P's first token as stream events
         (ending the stream when that token finished the request) and ``stitcher`` makes D's events read as
         their continuation; ``state`` (when the stream is resumable) has recorded the token. A P leg that
         failed, or answered what cannot be streamed, fails the attempt as P's fault (``PrefillFailed``):
@@ -190,6 +193,15 @@ class Legs:
         if p_task is None or not self.seeds(request):
             opened, first = await self.first_event(worker, path, body, stamps)
             return opened, b"", first, None
+        if self.decode_streams_first(request):
+            leg = self._open(worker, path, body, stamps, worker.url, _first_token_events(worker, stamps))
+            opened, (role, event) = await guard(p_task, leg, "D has no first token to stream without it")
+            message = error_message(event)
+            if message is not None or not event.endswith(b"\n\n"):
+                opened.close()
+                why = f"streamed an error ({message})" if message is not None else "closed the stream"
+                raise PrefillFailed("error_event", f"{worker.url} {why} before P's first token")
+            return opened, b"", role + event, None
         resp, data = await self._open(
             worker, path, body, stamps, f"{worker.url} or its prefill", _prefill_answer(p_task)
         )
@@ -253,6 +265,40 @@ class Legs:
             if resp is not None:
                 resp.close()
             raise
+
+
+def _first_token_events(
+    worker: Worker, stamps: Stamps | None
+) -> Callable[[Response], Awaitable[tuple[bytes, bytes]]]:
+    """What a stream D leads is read up to before the client gets anything: its first event past a chat's
+    opening role chunk (``(role chunk or b"", event)``), so that an error in its place (D ended the request:
+    P's token never reached it) fails the attempt instead of reaching the client."""
+
+    async def first(resp: Response) -> tuple[bytes, bytes]:
+        role, event = b"", await read_event(resp, worker)
+        if opens_chat(event):
+            role, event = event, await read_event(resp, worker)
+        if stamps is not None:
+            stamps.mark("decode_first_event")
+        return role, event
+
+    return first
+
+
+async def guard(p_task: asyncio.Task[bytes], leg: Awaitable[T], why: str) -> T:
+    """Await a D leg, failing it as P's fault (``PrefillFailed``, ``why``: what D lacks) when the P leg fails
+    first; a P leg that answers first changes nothing, and one that fails after the D leg is done is ignored."""
+    d_task = asyncio.ensure_future(leg)
+    try:
+        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        failed = p_task.done() and not p_task.cancelled() and p_task.exception() is not None
+        if failed and not d_task.done():
+            d_task.cancel()
+            raise PrefillFailed("prefill", f"prefill leg failed; {why}")
+        return await d_task
+    finally:
+        if not d_task.done():
+            d_task.cancel()
 
 
 def _prefill_answer(p_task: asyncio.Task[bytes]) -> Callable[[Response], Awaitable[bytes]]:

@@ -3,10 +3,13 @@
 Router process, one request's coroutine (``legs.py``). P samples a token when its prefill ends; D, asked with
 ``pd_seed_first_token`` (docs/wire-contract.md), takes that token from P's ``Done`` over the side channel and
 samples the second one after it, so the first token reaches the client as soon as P's leg answers (P's
-prefill plus one hop) and a sampled stream stays one sequence. D's API server never sees the first token, so
-the router writes it: ``first_events`` turns P's (non-streamed) answer into the stream events vLLM would have
-sent for it, and D's events follow through ``streaming.Stitcher`` (P's ``id`` and ``created``, no second
-role chunk or prompt ids, usage counting the first token).
+prefill plus one hop) and a sampled stream stays one sequence. Where D's own stream can carry the token
+(``decode_streams_first``: pd-push, no logprobs asked), D is asked to (``pd_stream_first_token``) and its
+stream is relayed as it is: the token reaches the client as soon as D has it, usually before P's answer has
+come back through P's front end. Otherwise D's API server never sees the first token, so the router writes
+it: ``first_events`` turns P's (non-streamed) answer into the stream events vLLM would have sent for it, and
+D's events follow through ``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk or prompt
+ids, usage counting the first token).
 
 ``applies`` keeps seeding to requests where D's front end, which does not see the first token, still gets
 everything else right: one streamed sequence, no stop strings or penalties or structured output that depend
@@ -60,6 +63,13 @@ def applies(body: dict[str, Any]) -> bool:
         return False
     opts = body.get("stream_options")
     return not (isinstance(opts, dict) and opts.get("continuous_usage_stats"))
+
+
+def decode_streams_first(body: dict[str, Any]) -> bool:
+    """Whether a seeded request (the client's body) can have D's own stream carry P's token: not when
+    logprobs are asked (P's answer alone has the token's; a seeded D streams it only without them)."""
+    logprobs = body.get("logprobs")
+    return logprobs is None or logprobs is False
 
 
 def _answer(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -346,7 +346,7 @@ class Stitcher:
         for event in batch.split(_SEP):
             if not event:
                 continue
-            message = _error_message(event)
+            message = error_message(event)
             if message is not None:
                 raise WorkerErrorEvent(b"".join(out), message)
             rewritten = self.rewrite(event + _SEP)
@@ -375,10 +375,7 @@ class Stitcher:
             for c in choices:
                 if "prompt_token_ids" in c:
                     c["prompt_token_ids"] = None
-        if choices and all(
-            isinstance(c.get("delta"), dict) and "role" in c["delta"] and not c["delta"].get("content")
-            for c in choices
-        ):
+        if _opens_chat(choices):
             return None  # the second worker's opening role chunk: the client already had one
         usage = chunk.get("usage")
         if isinstance(usage, dict) and "completion_tokens" in usage:
@@ -393,7 +390,30 @@ class Stitcher:
         return strip_token_ids(out) if self._strip_ids else out
 
 
-def _error_message(event: bytes) -> str | None:
+def _opens_chat(choices: Any) -> bool:
+    """Whether a chunk's ``choices`` are a chat stream's opening role chunk (a role, no content)."""
+    return bool(choices) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("delta"), dict)
+        and "role" in c["delta"]
+        and not c["delta"].get("content")
+        for c in choices
+    )
+
+
+def opens_chat(event: bytes) -> bool:
+    """Whether ``event`` is a chat stream's opening role chunk, which vLLM sends before the first token's
+    event (or an error event, when the engine ended the request with an error)."""
+    if not event.startswith(_PREFIX):
+        return False
+    try:
+        chunk = msgspec.json.decode(event[len(_PREFIX) :])
+    except msgspec.DecodeError:
+        return False
+    return isinstance(chunk, dict) and _opens_chat(chunk.get("choices"))
+
+
+def error_message(event: bytes) -> str | None:
     """The message of an OpenAI error event (``data: {"error": {...}}``, no choices), None for any other."""
     if not event.startswith(_PREFIX) or b'"error"' not in event:
         return None

@@ -8,8 +8,9 @@ engines' records on the transfer id (docs/architecture.md ``## First-token trace
 Stages, in their usual order: ``received`` (the request reached the proxy), ``prefill_sent`` (P's leg
 posted), ``decode_sent`` (D's leg posted or its stream opened), ``prefill_returned`` (P's leg answered: before
 D's leg in vllm-standard, concurrently in the other flows), ``decode_first_event`` (D's first event or unary
-answer), ``client_first_byte`` (the response started towards the client), and with first-token seeding
-``decode_continued`` (the first bytes of D's own stream, the token after P's: the hand-off's end).
+answer; D's first token event where D's stream carries P's token), ``client_first_byte`` (the response
+started towards the client), and where P's answer is the first token ``decode_continued`` (the first bytes of
+D's own stream, the token after P's: the hand-off's end).
 """
 
 from __future__ import annotations

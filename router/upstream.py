@@ -194,12 +194,16 @@ def decode_body(
     room: int,
     returned: Returned | None = None,
     seed: bool = False,
+    stream_first: bool = False,
 ) -> dict[str, Any]:
     """What D gets on the disaggregated path (``returned``: what P answered in vllm-standard; ``seed``: continue
-    from P's first token, ``router.seeding``, which only PDConnector's D can)."""
+    from P's first token, ``router.seeding``, which only PDConnector's D can; ``stream_first`` (pd-push, with
+    ``seed``): D's stream carries that token first)."""
     out = dict(body)
     if flow == "pd-push":
-        push = wire.PushDecode(transfer, prefill.cfg.bootstrap, pd_seed_first_token=seed)
+        push = wire.PushDecode(
+            transfer, prefill.cfg.bootstrap, pd_seed_first_token=seed, pd_stream_first_token=stream_first
+        )
         out[wire.KV_TRANSFER_PARAMS] = wire.encode(push)
     elif flow == "vllm-standard":
         assert returned is not None

@@ -15,7 +15,8 @@ prefill for a remote decode (vLLM's standard flow), it answers ``kv_transfer_par
 transfer id or SGLang room; a failing one takes none), as a real D waits for P's KV, so tests see both legs
 of a pair whatever order they arrive in (a D that waits ``load_timeout_s`` in vain answers anyway, as a real
 one recomputes). A decode leg asked to continue from P's first token (``pd_seed_first_token``) whose P took
-it streams the tokens after that one, as a seeded PDConnector D does (its API server never sees the first).
+it streams the tokens after that one, as a seeded PDConnector D does (its API server never sees the first),
+or, asked to stream that token too (``pd_stream_first_token``), every token, P's first.
 Runs in-process (aiohttp test server) or as a process:
 ``python -m test_support.fake_vllm --port 8100`` (the benchmark's upstream).
 
@@ -200,8 +201,10 @@ class FakeEngine:
                     if not loaded:  # no token to continue from: PDConnector ends the request with an error
                         return await self._generation_error(request, bool(body.get("stream")))
                     # P's first token came with its KV and counts as D's first output: continue after it
-                    # (a one-token request still samples one, as vLLM checks max_tokens after sampling)
-                    tokens = generate(text, max(n_tokens, 2))[1:]
+                    # (a one-token request still samples one, as vLLM checks max_tokens after sampling),
+                    # unless D's stream carries it too (then it is every token P and D made, P's first)
+                    if not kv.get("pd_stream_first_token"):
+                        tokens = generate(text, max(n_tokens, 2))[1:]
             if self.first_token_delay_s:
                 await asyncio.sleep(self.first_token_delay_s)
         except asyncio.CancelledError:  # the client (router) closed the connection: vLLM aborts here

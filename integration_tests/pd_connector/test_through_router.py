@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from integration_tests.pd_checks import blocks_to_load, metric
+from integration_tests.pd_checks import blocks_idle, blocks_to_load, metric
 from integration_tests.pd_connector.cluster import (
     CHUNK,
     MAX_TOKENS,
@@ -24,6 +24,7 @@ from integration_tests.pd_connector.cluster import (
     tokens,
 )
 from pd_disagg import pd_client
+from tests.polling import wait_until
 
 
 def test_router_sends_long_prompts_p_to_d_and_short_ones_to_d(pd: Cluster, router: str) -> None:
@@ -68,6 +69,11 @@ def _disaggregated_stream_with_usage(router: str, path: str, payload: dict[str, 
     return chunks
 
 
+def _generated_on_d(pd: Cluster) -> float:
+    """Output tokens D's front end counted (every token it streamed)."""
+    return metric(pd.d_url, "vllm:generation_tokens_total")
+
+
 def test_router_streams_disaggregated_chat(pd: Cluster, router: str) -> None:
     """A streamed chat request long enough for P->D: the streamed deltas add up to the colocated (plain,
     unstreamed request to P) greedy text, and the stream ends with usage and [DONE], as vLLM's own does.
@@ -98,7 +104,8 @@ def test_router_streams_disaggregated_chat(pd: Cluster, router: str) -> None:
 
 
 def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, router: str) -> None:
-    """A sampled streamed request (temperature 0.8, fixed seed, logprobs) through pd-router, P->D.
+    """A sampled streamed request (temperature 0.8, fixed seed, logprobs) through pd-router, P->D: the first
+    token comes from P's answer (it alone has the token's logprobs).
 
     The client's first token is P's: P alone, asked the same request for one token, samples the same one
     (vLLM seeds a fresh generator per request, so the same prompt and seed give the same first draw). D then
@@ -122,13 +129,15 @@ def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, rout
     request = body(prompt, **sampling)
     first = pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1})
     p_token = token_ids(first)[0]
-    transfers = pd.transfers()
+    transfers, generated = pd.transfers(), _generated_on_d(pd)
     chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
     transfers.check(1, blocks=blocks_to_load(len(prompt)))
     choices = [choice for c in chunks for choice in c["choices"]]
     streamed = [t for choice in choices for t in choice.get("token_ids") or []]
     assert streamed[0] == p_token, "the client's first token is the one P sampled"
     assert choices[0]["token_ids"] == [p_token]
+    wait_until(lambda: _generated_on_d(pd) >= generated + MAX_TOKENS - 1, 10, "D's token count")
+    assert _generated_on_d(pd) == generated + MAX_TOKENS - 1, "P's answer carried the first token"
     lp = choices[0]["logprobs"]
     assert lp["tokens"] and isinstance(lp["token_logprobs"][0], float) and len(lp["top_logprobs"][0]) >= 2
     assert all(choice["logprobs"] is not None for choice in choices if choice.get("token_ids"))
@@ -139,3 +148,51 @@ def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, rout
     assert len(streamed) == MAX_TOKENS and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
     assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
     assert len({c["id"] for c in chunks}) == 1, "one stream: P's id on D's events too"
+
+
+def test_decode_streams_prefills_sampled_first_token_itself(pd: Cluster, router: str) -> None:
+    """The same without logprobs: pd-router asks D to stream P's token itself (``pd_stream_first_token``)
+    and relays D's stream without waiting for P's answer. The client's first token is still P's, D continues
+    from it (as prompt + P's token would, same seed), the usage counts every token once, and D's stream
+    carried it: D's front end counted every token the client got (P's answer carrying it, D counts one
+    fewer). The transfer happened (exact bytes, one load, nothing failed or recomputed). Prompt of one
+    prefill step, as above."""
+    prompt = tokens(CHUNK, seed=7200)
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 4321}
+    request = body(prompt, **sampling)
+    p_token = token_ids(pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1}))[0]
+    transfers, generated = pd.transfers(), _generated_on_d(pd)
+    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    choices = [choice for c in chunks for choice in c["choices"]]
+    streamed = [t for choice in choices for t in choice.get("token_ids") or []]
+    assert streamed[0] == p_token, "the client's first token is the one P sampled"
+    wait_until(lambda: _generated_on_d(pd) >= generated + MAX_TOKENS, 10, "D's token count")
+    assert _generated_on_d(pd) == generated + MAX_TOKENS, "D's stream carried P's token too"
+    continued = pd_client.post_json(
+        pd.p_url + "/v1/completions", body([*prompt, p_token], MAX_TOKENS - 1, **sampling)
+    )
+    assert streamed[1:] == token_ids(continued), "D continued from P's token, as prompt + token would"
+    usage = chunks[-1]["usage"]
+    assert len(streamed) == MAX_TOKENS == usage["completion_tokens"] and usage["prompt_tokens"] == len(prompt)
+    assert len({c["id"] for c in chunks}) == 1
+
+
+@pytest.mark.parametrize(("ending", "finish"), [("stop_token_ids", "stop"), ("max_tokens", "length")])
+def test_prefills_token_that_ends_the_request_ends_ds_stream(
+    pd: Cluster, router: str, ending: str, finish: str
+) -> None:
+    """P's token is itself a stop token, or the client asked for one token: D, whose stream carries P's
+    token, ends the request with it (vLLM checks stops on sampled tokens only, so PDConnector checks P's),
+    the client gets that one token with vLLM's finish reason and usage, and D holds no blocks after."""
+    prompt = tokens(CHUNK, seed=7300 + len(ending))
+    p_token = pd.reference(prompt, 1)[0]
+    extra = {"stop_token_ids": [p_token]} if ending == "stop_token_ids" else {"max_tokens": 1}
+    transfers = pd.transfers()
+    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", body(prompt, **extra))
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    choices = [choice for c in chunks for choice in c["choices"]]
+    assert [t for choice in choices for t in choice.get("token_ids") or []] == [p_token]
+    assert choices[-1]["finish_reason"] == finish
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    wait_until(lambda: blocks_idle(pd.d_url), 20, "D's blocks released")

@@ -20,12 +20,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pd_connector.vllm.compat import (
     CONNECTOR_SYMBOLS,
+    StreamedFirstToken,
     check_kv_cache,
     check_version,
     fail_loads_on_request,
     limit_busy_poll,
     require,
     schedule_ended_loads_at_once,
+    stream_first_tokens,
     tp_rank,
 )
 from pd_connector.vllm.config import PDConnectorConfig
@@ -75,11 +77,13 @@ class PDConnector(KVConnectorBase_V1):
         self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
             fail_loads_on_request()  # a seeded load that ended without a usable token: see loads_to_fail
+            stream_first_tokens()  # P's token at the front of D's first output: see streamed_first_tokens
             schedule_ended_loads_at_once()  # a load that ended is scheduled without vLLM's idle pause
             self._scheduler = SchedulerSide(
                 block_size,
                 self._config.side_channel_addr,
                 vllm_config.model_config.get_vocab_size(),
+                vllm_config.model_config.max_model_len,
                 producer=transfer.is_kv_producer,
                 consumer=transfer.is_kv_consumer,
                 policy=self._config.peer_policy(),
@@ -206,6 +210,12 @@ class PDConnector(KVConnectorBase_V1):
         step's output: the requests to end with an error rather than go on unseeded (``SchedulerSide.loads_to_fail``)."""
         ended = set(connector_output.finished_recving or ()) | set(connector_output.failed_recving or ())
         return self._sched.loads_to_fail(ended, _first_tokens(connector_output))
+
+    @property
+    def streamed_first_tokens(self) -> dict[str, StreamedFirstToken]:
+        """Read by ``compat.stream_first_tokens``'s hook (EngineCore) after vLLM built each step's outputs:
+        the seeded requests whose first output is to carry P's token (``SchedulerSide``'s)."""
+        return self._sched.streamed_first_tokens
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request, block_ids)

@@ -26,7 +26,10 @@ and sampling a first token of its own. A load that failed is still seeded when t
 the token. Any seeded load that ends without a usable token (a failed pd-push load whose ``Done`` never came,
 or a load whose token is outside the vocabulary, from a faulty P) ends its request with an error
 (``loads_to_fail``), whatever the engine's ``kv_load_failure_policy``, since going on unseeded would repeat
-the token the client already has.
+the token the client already has. A seeded request that also asks ``pd_stream_first_token`` (pd-router's
+pd-push flow) has D's own stream carry P's token first (``compat.first_token_output``, kept in
+``streamed_first_tokens`` until ``compat.stream_first_tokens`` adds it to the step's outputs as the
+request's first), so the client need not wait for P's answer.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
 table but was computed by an earlier request, and D may not have it. The transfer engine sends what D asked
@@ -43,7 +46,12 @@ from typing import TYPE_CHECKING, Any
 from pd_connector import wire
 from pd_connector.protocol import prompt_digest
 from pd_connector.trust import PeerPolicy
-from pd_connector.vllm.compat import first_output_token, seed_first_token
+from pd_connector.vllm.compat import (
+    StreamedFirstToken,
+    first_output_token,
+    first_token_output,
+    seed_first_token,
+)
 from pd_connector.vllm.metadata import FinishedSend, PDConnectorMetadata, RecvSpec, SendSpec
 from pd_connector.vllm.stats import PDConnectorStats, StatsRecorder
 
@@ -68,12 +76,14 @@ class PrefillRole:
 @dataclass(frozen=True)
 class DecodeRole:
     """D: load from ``prefill_addr``; ``seed``: continue from P's first token (``first_token``: P's answer's
-    copy of it, vLLM's standard flow, used when P's ``Done`` brings none)."""
+    copy of it, vLLM's standard flow, used when P's ``Done`` brings none); ``stream``: D's stream carries
+    that token first."""
 
     transfer_id: str
     prefill_addr: str
     seed: bool = False
     first_token: int | None = None
+    stream: bool = False
 
 
 @dataclass
@@ -98,6 +108,7 @@ class SchedulerSide:
         block_size: int,
         side_channel_addr: str,
         vocab_size: int,
+        max_model_len: int,
         *,
         producer: bool = True,
         consumer: bool = True,
@@ -106,6 +117,7 @@ class SchedulerSide:
     ) -> None:
         self._block_size = block_size
         self._vocab_size = vocab_size
+        self._max_model_len = max_model_len
         self._producer = producer
         self._consumer = consumer
         self._policy = policy or PeerPolicy(authenticated=False)
@@ -123,6 +135,9 @@ class SchedulerSide:
         self._loading: set[str] = set()
         # D: loading requests that continue from P's first token once it arrives, by request id.
         self._seeding: dict[str, Request] = {}
+        # D: seeded requests whose stream is to carry P's token, by request id: filled while vLLM handles a
+        # step's transfer output, emptied by ``compat.stream_first_tokens`` as that step's outputs are built.
+        self.streamed_first_tokens: dict[str, StreamedFirstToken] = {}
         self._pending_recvs: list[RecvSpec] = []
         self._pending_finished: list[FinishedSend] = []
         self._pending_aborts: list[str] = []
@@ -158,8 +173,9 @@ class SchedulerSide:
                 why = "its transfer id was already used by another request"
             else:
                 first = params.pd_first_token if isinstance(params, wire.PrefillReturned) else None
+                stream = isinstance(params, wire.PushDecode) and params.pd_stream_first_token
                 role = DecodeRole(
-                    params.pd_transfer_id, params.pd_prefill_addr, params.pd_seed_first_token, first
+                    params.pd_transfer_id, params.pd_prefill_addr, params.pd_seed_first_token, first, stream
                 )
         if why:
             self._stats.refused()
@@ -278,6 +294,19 @@ class SchedulerSide:
             token = self._seed_token(req_id, first_tokens)
             if token is None or not seed_first_token(request, token):
                 logger.warning("PDConnector: seeded request %s loaded without P's first token", req_id)
+                continue
+            role = self._roles.get(req_id)
+            if not (isinstance(role, DecodeRole) and role.stream):
+                continue
+            streamed = first_token_output(request, self._max_model_len)
+            if streamed is None:
+                logger.warning(
+                    "PDConnector: request %s asked D to stream P's first token with logprobs; not streamed "
+                    "(P's answer carries the token and its logprobs)",
+                    req_id,
+                )
+                continue
+            self.streamed_first_tokens[req_id] = streamed
 
     def _seed_token(self, req_id: str, first_tokens: dict[str, int]) -> int | None:
         """The token a seeded request continues from: P's ``Done``'s, else the copy in P's answer (vLLM's

@@ -67,13 +67,15 @@ async def test_decode_dies_mid_stream_and_another_continues_it(make_cluster, pat
     assert len(roles) == (1 if "chat" in path else 0)
     assert chunks[-1]["usage"]["completion_tokens"] == 10
     # the continuation went to the other D with the text so far and the tokens left, without transfer params:
-    # P's first token (seeding) and the 3 D0 streamed after it were delivered
+    # the 3 D0 streamed were delivered, P's first token (seeding) first
+    (d0,) = c.decode[0].requests
+    assert d0["kv_transfer_params"]["pd_stream_first_token"] is True
     (cont,) = c.decode[1].requests
-    assert "kv_transfer_params" not in cont and cont["max_tokens"] == 6
+    assert "kv_transfer_params" not in cont and cont["max_tokens"] == 7
     assert cont["return_token_ids"] is True  # asked for, and hidden from the client again
     assert b'token_ids":[' not in raw
-    if "chat" not in path:  # completions resume token-exactly: prompt ids + the 4 delivered ids
-        assert cont["prompt"] == [*range(64), 64, 65, 66, 67]
+    if "chat" not in path:  # completions resume token-exactly: prompt ids + the 3 delivered ids
+        assert cont["prompt"] == [*range(64), 64, 65, 66]
     assert _metric(await _metrics(c), "pd_router_decode_resumes_total") == 1
 
 

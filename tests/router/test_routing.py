@@ -74,6 +74,7 @@ async def test_long_prompt_pd_push_sends_both_legs_with_one_transfer_id(make_clu
         "pd_role": "decode",
         "pd_prefill_addr": "127.0.0.1:7000",
         "pd_seed_first_token": True,  # a streamed request: D continues from P's first token
+        "pd_stream_first_token": True,  # and streams it (no logprobs asked)
     }
     assert len(p["kv_transfer_params"]["pd_transfer_id"]) == 32
     assert d["stream"] is True and d["max_tokens"] == 4
@@ -201,18 +202,29 @@ async def test_admin_add_drain_remove(make_cluster) -> None:
     assert (await c.router.post("/admin/workers", json={"role": "both", "worker": {"url": d1}})).status == 400
 
 
-@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard"])
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("flow", "stream"),
+    [
+        ("pd-push", False),
+        ("pd-push", "decode"),  # seeded, D's stream carries P's token
+        ("pd-push", "answer"),  # seeded, logprobs asked: P's answer is the first token
+        ("vllm-standard", False),
+        ("vllm-standard", "answer"),
+    ],
+)
 async def test_a_disaggregated_request_is_traced_under_its_transfer_id(
-    make_cluster, tmp_path: Path, flow: str, stream: bool
+    make_cluster, tmp_path: Path, flow: str, stream: str | bool
 ) -> None:
     """The router's record of a P->D request joins D's on the transfer id D was given, has every stage in a
-    possible order (``decode_continued`` only for a seeded stream), and its spans reach
-    ``pd_router_stage_seconds``; a request to D alone is not traced."""
+    possible order (``decode_continued`` only for a stream whose first token came from P's answer), and its
+    spans reach ``pd_router_stage_seconds``; a request to D alone is not traced. A stream D leads needs no P
+    answer: P's may come after the stream ended (its leg is then closed), so its stage is optional."""
     trace = tmp_path / "router.jsonl"
     c = await make_cluster(n_decode=1, flow=flow, server__trace_path=str(trace))
     for prompt in (long_prompt(), short_prompt()):
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": stream}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": bool(stream)}
+        if stream == "answer":
+            body["logprobs"] = 1
         r = await c.router.post("/v1/completions", json=body)
         assert r.status == 200
         await r.read()
@@ -223,14 +235,16 @@ async def test_a_disaggregated_request_is_traced_under_its_transfer_id(
         d_params["pd_transfer_id"],
         "ok",
     )
-    seeded = set(STAGES) if stream else set(STAGES) - {"decode_continued"}  # D continues P's first token
-    assert set(record.stages) == seeded
+    expected = set(STAGES) if stream == "answer" else set(STAGES) - {"decode_continued"}
+    if stream == "decode":
+        assert set(record.stages) - {"prefill_returned"} == expected - {"prefill_returned"}
+    else:
+        assert set(record.stages) == expected
     at = record.stages
     assert at["received"] <= at["prefill_sent"] <= at["decode_sent"] <= at["decode_first_event"]
-    assert (
-        at["prefill_sent"] <= at["prefill_returned"] and at["decode_first_event"] <= at["client_first_byte"]
-    )
-    if stream:  # D's own stream follows the first event the client got (P's token)
+    assert at["prefill_sent"] <= at.get("prefill_returned", at["prefill_sent"])
+    assert at["decode_first_event"] <= at["client_first_byte"]
+    if stream == "answer":  # D's own stream follows the first event the client got (P's token)
         assert at["client_first_byte"] <= at["decode_continued"]
     if flow == "vllm-standard":  # D's leg waits for P's answer
         assert at["prefill_returned"] <= at["decode_sent"]

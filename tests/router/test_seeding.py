@@ -1,7 +1,9 @@
 """First-token seeding through the router: the client's first token is P's, D's stream continues after it.
 
 The fake engines speak the protocol (``test_support.fake_vllm``): P answers its one token, and a D asked with
-``pd_seed_first_token`` whose P took the leg streams the tokens after P's, as a seeded PDConnector D does.
+``pd_seed_first_token`` whose P took the leg streams the tokens after P's, as a seeded PDConnector D does, or
+every token, P's first, when also asked ``pd_stream_first_token`` (pd-push without logprobs). Requests that
+ask logprobs (``_LOGPROBS``) take the path where P's answer is the client's first token.
 The real engines' side (D continuing from P's token, sampled requests) is proven in
 integration_tests/pd_connector/test_through_router.py.
 """
@@ -20,12 +22,15 @@ from tests.router.conftest import MODEL, long_prompt
 from tests.router.sse import payloads, text_of
 
 
-def _stream_body(path: str, **extra: Any) -> dict[str, Any]:
+def _stream_body(path: str, logprobs: bool = False, **extra: Any) -> dict[str, Any]:
+    """A streamed P/D request; ``logprobs``: asked (the first token then comes from P's answer)."""
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "stream": True, **extra}
     if "chat" in path:
         body["messages"] = [{"role": "user", "content": long_prompt()}]
     else:
         body["prompt"] = long_prompt()
+    if logprobs:
+        body["logprobs"] = True if "chat" in path else 1
     return body
 
 
@@ -33,19 +38,26 @@ def _expected(path: str, n: int) -> str:
     return "".join(generate(long_prompt() + (" " if "chat" in path else ""), n))
 
 
-@pytest.mark.parametrize("flow", ["pd-push", "vllm-standard"])
+@pytest.mark.parametrize(
+    ("flow", "logprobs"), [("pd-push", False), ("pd-push", True), ("vllm-standard", False)]
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_first_token_is_prefills_and_decode_continues_after_it(
-    make_cluster, flow: str, path: str
+    make_cluster, flow: str, logprobs: bool, path: str
 ) -> None:
+    """P's token first, then D's, one stream (one id, one role chunk, usage of all). In pd-push without
+    logprobs D's own stream carries P's token; otherwise (logprobs asked, or vllm-standard, where P's answer
+    is in hand before D is asked) P's answer becomes the first events."""
     c = await make_cluster(n_prefill=1, n_decode=1, flow=flow)
-    body = _stream_body(path, stream_options={"include_usage": True})
+    body = _stream_body(path, logprobs, stream_options={"include_usage": True})
     r = await c.router.post(path, json=body)
     raw = await r.read()
     assert r.status == 200 and r.headers["X-PD-Route"] == "disagg"
     assert text_of(raw) == _expected(path, 4)
     (p,), (d,) = c.prefill[0].requests, c.decode[0].requests
     assert d["kv_transfer_params"]["pd_seed_first_token"] is True
+    streams_first = flow == "pd-push" and not logprobs
+    assert d["kv_transfer_params"].get("pd_stream_first_token", False) is streams_first
     assert p["max_tokens"] == 1 and d["max_tokens"] == 4  # D counts P's token as its first output
     chunks = [x for x in payloads(raw) if isinstance(x, dict)]
     assert len({x["id"] for x in chunks}) == 1 and len({x["created"] for x in chunks}) == 1
@@ -61,21 +73,44 @@ async def test_first_token_is_prefills_and_decode_continues_after_it(
     assert b'token_ids":[' not in raw  # asked of both legs for the router's count, hidden from the client
 
 
-async def test_client_token_ids_come_from_both_legs(make_cluster) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_d_leads_does_not_wait_for_prefills_answer(make_cluster, path: str) -> None:
+    """P's KV and token reached D, but P's answer is slow to come back (P's front end busy): the client gets
+    the whole stream from D meanwhile, and P's leg, no longer needed, is closed when the stream ends."""
     c = await make_cluster(n_prefill=1, n_decode=1)
-    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", return_token_ids=True))
+    c.prefill[0].first_token_delay_s = 60  # P's answer, after its KV went to D
+    body = _stream_body(path, stream_options={"include_usage": True})
+    r = await c.router.post(path, json=body)
+    raw = await r.read()
+    assert r.status == 200 and text_of(raw) == _expected(path, 4) and payloads(raw)[-1] == "[DONE]"
+    assert c.prefill[0].finished == 0, "P has not answered"
+    await wait_until_async(lambda: c.prefill[0].abandoned == 1, 5, "P's leg closed")
+    metrics = await (await c.router.get("/metrics")).text()
+    assert 'pd_router_prefill_failures_total{flow="pd-push"}' not in metrics
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_client_token_ids_are_the_streams(make_cluster, logprobs: bool) -> None:
+    """Token ids the client asked for: every token's once, and the prompt's on the first event only, whether
+    D's stream (no logprobs) or P's answer (logprobs) carries the first token."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    body = _stream_body("/v1/completions", logprobs, return_token_ids=True)
+    r = await c.router.post("/v1/completions", json=body)
     chunks = [x for x in payloads(await r.read()) if isinstance(x, dict)]
     ids = [t for x in chunks for ch in x["choices"] for t in ch.get("token_ids") or []]
     assert ids == [64, 65, 66, 67]
-    assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(64))  # P's event shows the prompt
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(64))  # the first event shows the prompt
     assert all(ch.get("prompt_token_ids") is None for x in chunks[1:] for ch in x["choices"])
 
 
-async def test_one_token_request_ends_with_prefills_token(make_cluster) -> None:
-    """The client asked one token: P's answer is the whole stream, and D's leg is closed (vLLM aborts it)."""
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_one_token_request_ends_with_prefills_token(make_cluster, logprobs: bool) -> None:
+    """The client asked one token. With logprobs P's answer is the whole stream, and D's leg is closed (vLLM
+    aborts it); without, D's stream carries P's token alone and ends (a PDConnector D ends the request there:
+    ``compat.stream_first_tokens``)."""
     c = await make_cluster(n_prefill=1, n_decode=1)
-    c.decode[0].token_delay_s = 0.5  # D still computing when P's answer ends the stream
-    body = _stream_body("/v1/completions", max_tokens=1, stream_options={"include_usage": True})
+    c.decode[0].token_delay_s = 0.5 if logprobs else 0  # D still computing when P's answer ends the stream
+    body = _stream_body("/v1/completions", logprobs, max_tokens=1, stream_options={"include_usage": True})
     r = await c.router.post("/v1/completions", json=body)
     raw = await r.read()
     items = payloads(raw)
@@ -83,15 +118,20 @@ async def test_one_token_request_ends_with_prefills_token(make_cluster) -> None:
     chunks = [x for x in items if isinstance(x, dict)]
     assert chunks[0]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 1
-    await wait_until_async(lambda: c.decode[0].abandoned == 1, 2, "D's leg closed")
+    if logprobs:
+        await wait_until_async(lambda: c.decode[0].abandoned == 1, 2, "D's leg closed")
+    else:
+        assert c.decode[0].abandoned == 0 and c.decode[0].finished == 1
 
 
-async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster) -> None:
-    """P's answer is lost: whether D got P's token is unknown, so the attempt is retried (nothing reached the
-    client), here on D alone as no other P is left."""
+@pytest.mark.parametrize("logprobs", [False, True])
+async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster, logprobs: bool) -> None:
+    """P's leg fails before D's stream started: whether D got P's token is unknown (or, here, D never gets
+    it), so the attempt is retried (nothing reached the client), here on D alone as no other P is left."""
     c = await make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].die_after_tokens = 0  # P's process dies before answering (after taking the leg)
-    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions"))
+    c.prefill[0].lose_kv = True  # and before its KV and token reached D
+    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", logprobs))
     assert r.status == 200 and text_of(await r.read()) == _expected("/v1/completions", 4)
     first, retry = c.decode[0].requests
     assert first["kv_transfer_params"]["pd_seed_first_token"] is True
@@ -100,25 +140,34 @@ async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster) -> None
     assert 'pd_router_prefill_failures_total{flow="pd-push"} 1.0' in metrics
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_a_decode_that_lost_prefills_token_is_resumed_after_it(make_cluster, path: str) -> None:
-    """P answered (the client got its token) but its KV and token never reached D: D ends the request with
-    vLLM's generation error rather than repeat the token. The router keeps that error from the client and
-    resumes the stream after P's token, here on the same D (its error is not held against it), which
-    prefills the prompt and the token itself: the client gets every token once and no error."""
+async def test_a_decode_that_lost_prefills_token_is_resumed_after_it(
+    make_cluster, path: str, logprobs: bool
+) -> None:
+    """P answered but its KV and token never reached D: D ends the request with vLLM's generation error
+    rather than repeat the token. The router keeps that error from the client and resumes the stream after
+    what the client got (P's token from P's answer with logprobs, nothing when D's stream was to carry it),
+    here on the same D (its error is not held against it), which prefills itself: the client gets every
+    token once and no error."""
     c = await make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].lose_kv = True
-    r = await c.router.post(path, json=_stream_body(path, stream_options={"include_usage": True}))
+    r = await c.router.post(path, json=_stream_body(path, logprobs, stream_options={"include_usage": True}))
     raw = await r.read()
     assert r.status == 200 and text_of(raw) == _expected(path, 4)
     assert not any(isinstance(x, dict) and "error" in x for x in payloads(raw))
     seeded, resumed = c.decode[0].requests
     assert seeded["kv_transfer_params"]["pd_seed_first_token"] is True
-    assert "kv_transfer_params" not in resumed and resumed["max_tokens"] == 3
+    assert "kv_transfer_params" not in resumed and resumed["max_tokens"] == (3 if logprobs else 4)
     chunks = [x for x in payloads(raw) if isinstance(x, dict)]
     assert len({x["id"] for x in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] == 4
     metrics = await (await c.router.get("/metrics")).text()
-    assert "pd_router_decode_resumes_total 1.0" in metrics and 'kind="error_event"' in metrics
+    if logprobs:  # resumed after the token the client has
+        assert "pd_router_decode_resumes_total 1.0" in metrics and 'kind="error_event"' in metrics
+    else:  # the client had nothing yet: the attempt is retried, the failure charged to P
+        assert "pd_router_decode_resumes_total 0.0" in metrics
+        assert 'pd_router_retries_total{role="decode"} 1.0' in metrics
+        assert 'pd_router_worker_errors_total{role="decode"' not in metrics
 
 
 @pytest.mark.parametrize(

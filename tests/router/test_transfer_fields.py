@@ -59,7 +59,8 @@ def _expected_legs(
     flow: str, route: str, p: list[dict], d: list[dict], seed: bool
 ) -> tuple[list[dict], list[dict]]:
     """The transfer fields each leg must carry: exactly the router's (found in the bodies), or none. ``seed``:
-    the router asks D to continue from P's first token (streamed requests in the vLLM flows)."""
+    the router asks D to continue from P's first token (streamed requests in the vLLM flows), and in pd-push
+    to stream that token itself (no logprobs asked)."""
     if route == "local":
         return [], [{}]
     (p_body,), (d_body,) = p, d
@@ -71,7 +72,7 @@ def _expected_legs(
             [
                 {
                     wire.KV_TRANSFER_PARAMS: wire.encode(
-                        wire.PushDecode(transfer, "127.0.0.1:7000", "decode", seed)
+                        wire.PushDecode(transfer, "127.0.0.1:7000", "decode", seed, seed)
                     )
                 }
             ],

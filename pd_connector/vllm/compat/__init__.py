@@ -14,11 +14,13 @@ Who calls what:
   after vLLM's ``Scheduler.__init__``, then the accessors of ``scheduler`` (its private queues, token budget
   and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
 - ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
-  carries) and ``seed_first_token`` (D, when a seeded load finished); ``PDConnector.__init__`` in
+  carries), ``seed_first_token`` and ``first_token_output`` (D, when a seeded load finished: P's token
+  becomes its first output, and whether and how D's stream carries it); ``PDConnector.__init__`` in
   EngineCore: ``fail_loads_on_request`` (a seeded load that ended, done or failed, without a usable token
   from P ends its request with an error under any ``kv_load_failure_policy``, through the scheduler's
-  per-step error set) and ``schedule_ended_loads_at_once`` (no idle pause between the step that reports a
-  load ended and the one that schedules its request).
+  per-step error set), ``stream_first_tokens`` (P's token at the front of a seeded request's first output)
+  and ``schedule_ended_loads_at_once`` (no idle pause between the step that reports a load ended and the
+  one that schedules its request).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
@@ -30,8 +32,9 @@ naming every missing symbol and the version this was proven on, rather than runn
 vLLM); each function imports what it reads.
 
 Modules, by job: ``versions`` (release lines, symbol lists, ``require``, the launcher's version shim),
-``kv_cache`` (which caches can move, TP rank, layout), ``engine`` (factory registration, busy poll, first-token
-seeding, failing one request's load), ``scheduler`` (the scheduler plugin's accessors). Callers import the names from this package.
+``kv_cache`` (which caches can move, TP rank, layout), ``engine`` (factory registration, busy poll,
+first-token seeding and streaming, failing one request's load), ``scheduler`` (the scheduler plugin's
+accessors). Callers import the names from this package.
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ from __future__ import annotations
 from pd_connector.engine_symbols import missing
 from pd_connector.vllm.compat.engine import (
     BusyPoll,
+    FirstTokenEnd,
+    StreamedFirstToken,
     fail_loads_on_request,
     first_output_token,
+    first_token_output,
     limit_busy_poll,
     register_connector,
     schedule_ended_loads_at_once,
     seed_first_token,
+    stream_first_tokens,
 )
 from pd_connector.vllm.compat.kv_cache import TPRank, check_kv_cache, kv_cache_problem, kv_layout, tp_rank
 from pd_connector.vllm.compat.scheduler import (
@@ -78,6 +85,7 @@ from pd_connector.vllm.compat.versions import (
     SCHEDULER_FIELDS,
     SCHEDULER_SYMBOLS,
     STEP_SYMBOLS,
+    STREAM_SYMBOLS,
     SUPPORTED,
     check_version,
     install_version_shim,
@@ -96,8 +104,11 @@ __all__ = [
     "SCHEDULER_FIELDS",
     "SCHEDULER_SYMBOLS",
     "STEP_SYMBOLS",
+    "STREAM_SYMBOLS",
     "SUPPORTED",
     "BusyPoll",
+    "FirstTokenEnd",
+    "StreamedFirstToken",
     "TPRank",
     "arrival_time",
     "block_size",
@@ -108,6 +119,7 @@ __all__ = [
     "extra_args",
     "fail_loads_on_request",
     "first_output_token",
+    "first_token_output",
     "install_version_shim",
     "is_decode",
     "is_remote_kv",
@@ -127,6 +139,7 @@ __all__ = [
     "seed_first_token",
     "set_running_order",
     "set_token_budget",
+    "stream_first_tokens",
     "token_budget",
     "tp_rank",
     "unsupported_reason",

@@ -1,19 +1,21 @@
 """Where PDConnector hooks into vLLM's engine beyond the connector API: factory registration, the
-shared-memory queues' busy poll, first-token seeding, failing one request's load, scheduling an ended load
-without the idle pause.
+shared-memory queues' busy poll, first-token seeding and streaming, failing one request's load, scheduling an
+ended load without the idle pause.
 
 Part of ``pd_connector.vllm.compat``. ``plugin.register`` (every vLLM process) calls ``register_connector``;
 ``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``, and in EngineCore
-``fail_loads_on_request`` and ``schedule_ended_loads_at_once``; ``SchedulerSide`` (EngineCore) calls
-``first_output_token`` on P and ``seed_first_token`` on D. Each writes or reads vLLM state that vLLM does not
-promise to keep (a private registry, a queue's wait loop, a request's token lists, the scheduler's per-step
-error set, EngineCore's step result).
+``fail_loads_on_request``, ``stream_first_tokens`` and ``schedule_ended_loads_at_once``; ``SchedulerSide``
+(EngineCore) calls ``first_output_token`` on P and ``seed_first_token`` and ``first_token_output`` on D.
+Each writes or reads vLLM state that vLLM does not promise to keep (a private registry, a queue's wait loop,
+a request's token lists and status, the scheduler's per-step error set and step outputs, EngineCore's step
+result).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pd_connector.vllm.compat.versions import (
@@ -21,11 +23,12 @@ from pd_connector.vllm.compat.versions import (
     FAIL_LOAD_SYMBOLS,
     PLUGIN_SYMBOLS,
     STEP_SYMBOLS,
+    STREAM_SYMBOLS,
     require,
 )
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -115,6 +118,98 @@ def seed_first_token(request: Request, token: int) -> bool:
     request.prompt_token_ids = [*prompt, token]
     request.append_output_token_ids(token)
     return True
+
+
+@dataclass(frozen=True)
+class FirstTokenEnd:
+    """How P's token, as D's first output, ends its request: vLLM's finished status and stop reason."""
+
+    status: RequestStatus
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class StreamedFirstToken:
+    """P's token for D's own stream to carry first (``stream_first_tokens``); ``end``: how it ends the
+    request, None when D goes on after it."""
+
+    token: int
+    end: FirstTokenEnd | None
+
+
+def first_token_output(request: Request, max_model_len: int) -> StreamedFirstToken | None:
+    """D (scheduler side, right after ``seed_first_token``): P's token as D's stream is to carry it, or None
+    when it cannot (logprobs asked: P's answer alone has the token's, and vLLM's output would be a row short).
+
+    vLLM checks stop conditions on the tokens it samples only, so whether P's token itself ends the request
+    (the model's EOS, a stop token id, ``max_tokens`` 1, the context full) is checked here with vLLM's own
+    ``check_stop``; its changes to the request's status and stop reason are undone, so the request stays as
+    vLLM left it until ``stream_first_tokens`` ends it with the output of P's token.
+    """
+    from vllm.v1.core.sched.utils import check_stop
+
+    params = request.sampling_params
+    prompt, outputs = request.prompt_token_ids, request.output_token_ids
+    if params is None or request.pooling_params is not None or params.logprobs is not None:
+        return None
+    if prompt is None or not outputs:
+        return None
+    token = int(outputs[-1])
+    status, reason = request.status, request.stop_reason
+    try:
+        if not check_stop(request, max_model_len):
+            return StreamedFirstToken(token, None)
+        return StreamedFirstToken(token, FirstTokenEnd(request.status, request.stop_reason))
+    finally:
+        request.status, request.stop_reason = status, reason
+
+
+def stream_first_tokens() -> None:
+    """Let a seeded D's own stream carry P's token first, as soon as D learnt its load ended (EngineCore;
+    idempotent).
+
+    ``seed_first_token`` makes P's token a seeded request's first output token without any output saying
+    so, and D's first step then samples the second. For a request the connector names in
+    ``streamed_first_tokens`` (``{request id: StreamedFirstToken}``, filled while vLLM handles the step's
+    transfer output, emptied here), an output with P's token alone is added to the very step whose output
+    reported the load ended, before the request's first step runs: D's API server detokenizes, counts and
+    streams it like any token, and the client (through pd-router, ``pd_stream_first_token``) gets it without
+    waiting for D's step or for P's answer to come back through P's front end. When P's token ends the
+    request, that output carries its finish reason, and the request is finished there with vLLM's
+    ``finish_requests`` (as an abort of a request whose load ended: its blocks are freed at once). Wraps
+    ``Scheduler.update_from_output`` after vLLM built the step's outputs; patched on the class because the
+    scheduler exists before the connector.
+    """
+    require("PDConnector", STREAM_SYMBOLS)
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+
+    if getattr(Scheduler.update_from_output, "__pd_stream_first__", False):
+        return
+    original = Scheduler.update_from_output
+
+    @functools.wraps(original)
+    def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = original(self, scheduler_output, model_runner_output)
+        pending: dict[str, StreamedFirstToken] | None = getattr(self.connector, "streamed_first_tokens", None)
+        if not pending:
+            return outputs
+        for req_id, first in pending.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            out = EngineCoreOutput(request_id=req_id, new_token_ids=[first.token])
+            if first.end is not None:
+                out.finish_reason = RequestStatus.get_finished_reason(first.end.status)
+                out.stop_reason = first.end.stop_reason
+                self.finish_requests(req_id, first.end.status)
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(out)
+        pending.clear()
+        return outputs
+
+    update_from_output.__pd_stream_first__ = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
 
 
 def fail_loads_on_request() -> None:

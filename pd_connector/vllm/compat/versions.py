@@ -77,6 +77,16 @@ BUSY_POLL_SYMBOLS = ("vllm.distributed.device_communicators.shm_broadcast:SpinCo
 #: What ``fail_loads_on_request`` wraps (the scheduler's per-step error set is an instance attribute: checked
 #: on each use).
 FAIL_LOAD_SYMBOLS = ("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",)
+#: What ``stream_first_tokens`` wraps, calls and builds, and what ``first_token_output`` reads (the scheduler's
+#: ``requests`` is an instance attribute: read on each use).
+STREAM_SYMBOLS = (
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+    "vllm.v1.engine:EngineCoreOutput",
+    "vllm.v1.engine:EngineCoreOutputs",
+    "vllm.v1.core.sched.utils:check_stop",
+    "vllm.v1.request:RequestStatus.get_finished_reason",
+)
 #: What ``schedule_ended_loads_at_once`` wraps (the scheduler's set of ended loads and the engine's data
 #: parallel and draft-token settings are instance attributes: read on each use).
 STEP_SYMBOLS = ("vllm.v1.engine.core:EngineCore.step",)

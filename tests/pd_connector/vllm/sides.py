@@ -14,6 +14,7 @@ from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerS
 BS = 32
 ADDR = "10.0.0.1:7000"
 VOCAB = 5000  # above the prompts' and tokens' ids below
+MAX_LEN = 2048  # the model's context length
 
 
 @dataclass
@@ -57,7 +58,7 @@ def decode_params(transfer_id: str = "t1") -> dict[str, Any]:
 
 def make_side(**kwargs: Any) -> tuple[SchedulerSide, FakeManager]:
     """A kv_both side whose peers prove a shared secret (so it may dial ADDR), unless ``kwargs`` say else."""
-    side = SchedulerSide(BS, ADDR, VOCAB, **{"policy": PeerPolicy(authenticated=True), **kwargs})
+    side = SchedulerSide(BS, ADDR, VOCAB, MAX_LEN, **{"policy": PeerPolicy(authenticated=True), **kwargs})
     manager = FakeManager()
     side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
     return side, manager

@@ -49,6 +49,7 @@ ALL_SYMBOLS = (
     + compat.BUSY_POLL_SYMBOLS
     + compat.FAIL_LOAD_SYMBOLS
     + compat.STEP_SYMBOLS
+    + compat.STREAM_SYMBOLS
 )
 
 
@@ -253,6 +254,61 @@ def test_a_connector_ends_the_loads_it_names_through_the_schedulers_error_set(
     wrapped(other, None, SimpleNamespace(kv_connector_output=kv_output))
     wrapped(ours, None, SimpleNamespace(kv_connector_output=None))
     assert seen[1:] == [set(), {"r2"}] and len(asked) == 1
+
+
+def test_a_streamed_first_token_is_output_in_the_step_its_load_ended_and_ends_it_when_it_stops_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After vLLM built a step's outputs, each request the connector named in ``streamed_first_tokens`` while
+    vLLM handled that step gets an output of P's token alone (vLLM's own ``EngineCoreOutput``, for the
+    request's front end, beside the step's other outputs or in a new ``EngineCoreOutputs``). A token that
+    ends the request carries its finish reason and the request is finished through vLLM's
+    ``finish_requests``. Requests gone meanwhile, and connectors without the attribute, get nothing; the
+    connector's entries are taken once."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    steps: deque[dict[int, EngineCoreOutputs]] = deque()
+
+    def original(self: Any, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        return steps.popleft()
+
+    monkeypatch.setattr(Scheduler, "update_from_output", original)
+    compat.stream_first_tokens()
+    compat.stream_first_tokens()  # EngineCore builds the connector once per engine: idempotent
+    wrapped = Scheduler.update_from_output
+    ended = compat.FirstTokenEnd(RequestStatus.FINISHED_STOPPED, 7)
+    pending = {
+        "a": compat.StreamedFirstToken(5, None),
+        "b": compat.StreamedFirstToken(7, ended),
+        "gone": compat.StreamedFirstToken(3, None),
+        "done": compat.StreamedFirstToken(3, None),
+    }
+    finished: list[tuple[str, RequestStatus]] = []
+
+    def request(client: int, done: bool = False) -> Any:
+        return SimpleNamespace(client_index=client, is_finished=lambda: done)
+
+    scheduler = SimpleNamespace(
+        connector=SimpleNamespace(streamed_first_tokens=pending),
+        finish_requests=lambda req_id, status: finished.append((req_id, status)),
+        requests={"a": request(0), "b": request(1), "done": request(0, done=True)},
+    )
+    steps.append({0: EngineCoreOutputs(outputs=[EngineCoreOutput("c", [9])])})
+    out = wrapped(scheduler, None, None)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in out[0].outputs] == [
+        ("c", [9], None),
+        ("a", [5], None),
+    ]
+    (b,) = out[1].outputs
+    assert (b.request_id, b.new_token_ids, b.finish_reason, b.stop_reason) == ("b", [7], FinishReason.STOP, 7)
+    assert finished == [("b", RequestStatus.FINISHED_STOPPED)] and pending == {}
+    steps.append({0: EngineCoreOutputs(outputs=[EngineCoreOutput("a", [6])])})
+    assert [o.new_token_ids for o in wrapped(scheduler, None, None)[0].outputs] == [[6]], "once"
+    scheduler.connector = SimpleNamespace()
+    steps.append({})
+    assert wrapped(scheduler, None, None) == {}
 
 
 def test_a_step_that_left_ended_loads_is_reported_executed_so_the_loop_does_not_pause(

@@ -16,6 +16,7 @@ from pd_connector.vllm.scheduler_side import DecodeRole, PrefillRole, SchedulerS
 from tests.pd_connector.vllm.sides import (
     ADDR,
     BS,
+    MAX_LEN,
     VOCAB,
     FakeBlocks,
     FakeManager,
@@ -247,7 +248,7 @@ def test_prefill_without_blocks_frees_at_once() -> None:
 
 def test_corruption_needs_the_server_flag() -> None:
     for allowed in (False, True):
-        side = SchedulerSide(BS, ADDR, VOCAB, allow_corruption=allowed)
+        side = SchedulerSide(BS, ADDR, VOCAB, MAX_LEN, allow_corruption=allowed)
         manager = FakeManager({"p1": [1]})
         side.bind_kv_cache_manager(manager)  # type: ignore[arg-type]
         params = {"pd_role": "prefill", "pd_transfer_id": "T", "pd_test_corrupt": True}

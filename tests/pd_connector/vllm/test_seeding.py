@@ -10,10 +10,12 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from pd_connector import wire
+from pd_connector.vllm.compat import FirstTokenEnd, StreamedFirstToken
 from pd_connector.vllm.metadata import FinishedSend
 from pd_connector.vllm.scheduler_side import SchedulerSide
 from tests.pd_connector.vllm.sides import (
     ADDR,
+    MAX_LEN,
     VOCAB,
     FakeBlocks,
     FakeOutput,
@@ -23,9 +25,12 @@ from tests.pd_connector.vllm.sides import (
 )
 
 
-def _loaded(side: SchedulerSide, params: dict[str, Any], prompt_len: int = 64) -> Request:
+def _loaded(
+    side: SchedulerSide, params: dict[str, Any], prompt_len: int = 64, sampling: SamplingParams | None = None
+) -> Request:
     """A real vLLM request on D whose load of ``prompt_len`` tokens was planned (two blocks)."""
-    req = Request("d1", list(range(prompt_len)), SamplingParams(temperature=0.8, seed=7), None)
+    sampling = sampling or SamplingParams(temperature=0.8, seed=7)
+    req = Request("d1", list(range(prompt_len)), sampling, None)
     req.kv_transfer_params = params
     assert side.get_num_new_matched_tokens(req, 0) == (prompt_len, True)  # type: ignore[arg-type]
     req.num_computed_tokens = prompt_len  # what vLLM sets when it parks the request for the load
@@ -61,6 +66,78 @@ def test_unseeded_decode_ignores_the_token() -> None:
     side.update_connector_output({"d1"}, {})
     side.update_connector_output({"d1"}, {"d1": 4242})  # a late token for a load already reported: ignored
     assert req.num_output_tokens == 0 and req.num_tokens == 64
+
+
+STREAMED = {**decode_params(), "pd_seed_first_token": True, "pd_stream_first_token": True}
+
+
+def test_a_streamed_seed_is_handed_to_the_output_hook() -> None:
+    """``pd_stream_first_token``: once seeded, P's token waits in ``streamed_first_tokens`` for
+    ``compat.stream_first_tokens`` to output it in the same step (a token that does not end the request:
+    ``end`` None); the request is otherwise as seeding left it."""
+    side, _ = make_side()
+    req = _loaded(side, STREAMED)
+    status = req.status
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    assert side.streamed_first_tokens == {"d1": StreamedFirstToken(4242, None)}
+    assert list(req.output_token_ids) == [4242] and req.status == status and req.stop_reason is None
+
+
+@pytest.mark.parametrize(
+    ("params", "sampling"),
+    [
+        ({**decode_params(), "pd_stream_first_token": True}, None),  # not seeded: D samples its own
+        ({**decode_params(), "pd_seed_first_token": True}, None),  # seeded, P's answer streams the token
+        (STREAMED, SamplingParams(temperature=0.8, seed=7, logprobs=2)),  # only P's answer has its logprobs
+        (STREAMED, SamplingParams(temperature=0.8, seed=7, logprobs=0)),
+        # vLLM's standard flow has no such field: P's answer, already in the router's hands, streams the token
+        (
+            {
+                **wire.encode(wire.PrefillReturned("t1", ADDR, pd_seed_first_token=True)),
+                "pd_stream_first_token": True,
+            },
+            None,
+        ),
+    ],
+)
+def test_d_streams_p_token_only_when_seeded_asked_and_without_logprobs(
+    params: dict[str, Any], sampling: SamplingParams | None
+) -> None:
+    side, _ = make_side()
+    _loaded(side, params, sampling=sampling)
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    assert side.streamed_first_tokens == {}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "end"),
+    [
+        (SamplingParams(max_tokens=1), FirstTokenEnd(RequestStatus.FINISHED_LENGTH_CAPPED, None)),
+        (SamplingParams(stop_token_ids=[4242]), FirstTokenEnd(RequestStatus.FINISHED_STOPPED, 4242)),
+        (SamplingParams(stop_token_ids=[4243], max_tokens=2), None),
+        (SamplingParams(max_tokens=MAX_LEN), None),
+    ],
+)
+def test_a_streamed_token_that_ends_the_request_says_how(
+    sampling: SamplingParams, end: FirstTokenEnd | None
+) -> None:
+    """vLLM checks stop conditions on sampled tokens only; P's token is checked with vLLM's own check when
+    it is seeded, and the request's status is left for vLLM to promote it as usual."""
+    side, _ = make_side()
+    req = _loaded(side, STREAMED, sampling=sampling)
+    status = req.status
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    assert side.streamed_first_tokens == {"d1": StreamedFirstToken(4242, end)}
+    assert req.status == status and req.stop_reason is None
+
+
+def test_a_streamed_token_that_fills_the_context_ends_the_request() -> None:
+    """The prompt plus P's token reach the model's context length: nothing can follow."""
+    side, _ = make_side()
+    req = _loaded(side, STREAMED, prompt_len=MAX_LEN - 1, sampling=SamplingParams(max_tokens=5))
+    side.update_connector_output({"d1"}, {"d1": 4242})
+    end = FirstTokenEnd(RequestStatus.FINISHED_LENGTH_CAPPED, None)
+    assert side.streamed_first_tokens == {"d1": StreamedFirstToken(4242, end)} and req.num_tokens == MAX_LEN
 
 
 def _returned(first_token: int | None) -> dict[str, Any]:
