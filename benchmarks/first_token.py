@@ -20,10 +20,10 @@ within one request keeps it measurable where P's prefill varies between requests
 (the bench model here). ``fixed_overhead_unpaired_ms`` is the older estimate, per repetition TTFT pd minus
 the prefill request's TTFT, then the median. ITL is the gaps between the events the client got (one per
 token unless an engine merged them), pd vs colocated; ``first_gap_ms`` is the first of them (with
-first-token seeding, P's token to the first D sampled: D's first step), the rest are ``later_itl_ms``.
-``stages_ms`` is the median of each span between anchor stamps of the P/D requests' trace records along the
-first token's path (``SPANS``: with first-token seeding, P's token streamed by D, it runs from P's prefill
-through the hand-off to D), ``p_answer_ms`` the same for P's answer beside it (``P_ANSWER``).
+first-token seeding, P's token to the first token D sampled), the rest are ``later_itl_ms``. ``stages_ms``
+gives, per way the first token came (``PATHS``: P's answer or D's stream, whichever reached the router
+first), how many P/D requests took it and the median of each span between anchor stamps of their trace
+records along it.
 
 Progress on stderr; the last stdout line is the JSON summary; ``--plot`` writes a PNG of the stages
 (docs/performance.md ``## first_token``).
@@ -52,28 +52,35 @@ from pd_disagg.tiny_model import bench_model
 
 LOG_DIR = Path("logs/benchmarks/first_token")
 SERVED = "model"
-#: The first token's path as spans between anchor stamps, in order: (name, (component, stage) from, to).
-#: Their sum is the router's TTFT: with first-token seeding in pd-push (no logprobs asked) the client's first
-#: token is P's, streamed by D as soon as D learnt its load ended, so the path runs from P's prefill through
-#: the hand-off to D's first event; components are the trace records' (prefill, decode, router).
-SPANS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
+#: The first token's path as spans between anchor stamps, in order: (name, (component, stage) from, to), by
+#: the path it took. With first-token seeding in pd-push (no logprobs asked) the client's first token is P's,
+#: and it comes by whichever reaches the router first: P's answer (``via_prefill``) or D's stream, which
+#: carries it too (``via_decode``: through the hand-off to D). Each path's spans add up to the router's TTFT;
+#: components are the trace records' (prefill, decode, router).
+Spans = tuple[tuple[str, tuple[str, str], tuple[str, str]], ...]
+_TO_PROMPT_DONE: Spans = (
     ("router_in", ("router", "received"), ("router", "prefill_sent")),
     ("to_p_engine", ("router", "prefill_sent"), ("prefill", "offered")),
     ("p_prefill", ("prefill", "offered"), ("prefill", "prompt_done")),
-    ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
-    ("done_to_d", ("prefill", "done"), ("decode", "done")),
-    ("d_report", ("decode", "done"), ("decode", "reported")),
-    ("d_first_token", ("decode", "reported"), ("router", "decode_first_event")),
-    ("router_out", ("router", "decode_first_event"), ("router", "client_first_byte")),
 )
+PATHS: dict[str, Spans] = {
+    "via_prefill": (
+        *_TO_PROMPT_DONE,
+        ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
+        ("router_out", ("router", "prefill_returned"), ("router", "client_first_byte")),
+    ),
+    "via_decode": (
+        *_TO_PROMPT_DONE,
+        ("p_exposed_transfer", ("prefill", "prompt_done"), ("prefill", "done")),
+        ("done_to_d", ("prefill", "done"), ("decode", "done")),
+        ("d_report", ("decode", "done"), ("decode", "reported")),
+        ("d_first_token", ("decode", "reported"), ("router", "decode_first_event")),
+        ("router_out", ("router", "decode_first_event"), ("router", "client_first_byte")),
+    ),
+}
 #: P's own time on a P/D request, what a request sent straight to P pays too: vLLM's front end and the
 #: prefill.
 P_SPAN: tuple[tuple[str, str], tuple[str, str]] = (("router", "prefill_sent"), ("prefill", "prompt_done"))
-#: Beside the path: P's answer, which the client's first token no longer waits for (end of the prefill ->
-#: the router had P's answer: sampling, vLLM's output path on P, HTTP).
-P_ANSWER: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
-    ("p_answer", ("prefill", "prompt_done"), ("router", "prefill_returned")),
-)
 
 
 def log(msg: str) -> None:
@@ -215,16 +222,33 @@ def span_ms(parts: dict[str, dict[str, float]], start: tuple[str, str], end: tup
     return None
 
 
-def stage_breakdown(
-    records: list[TraceRecord], spans: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = SPANS
-) -> dict[str, float]:
-    """Median milliseconds of each of ``spans`` over the P/D requests whose three records are complete."""
-    values: dict[str, list[float]] = {name: [] for name, _, _ in spans}
+def path_of(parts: dict[str, dict[str, float]]) -> str:
+    """Which way a joined request's first token came: the router stamps ``decode_continued`` (D's own stream
+    joining after the first token) only where P's answer was the first token."""
+    return "via_prefill" if "decode_continued" in parts.get("router", {}) else "via_decode"
+
+
+def stage_breakdown(records: list[TraceRecord]) -> dict[str, dict[str, Any]]:
+    """Per path (``PATHS``) the requests whose three records are complete and whose first token came that way:
+    how many, and the median milliseconds of each span along it."""
+    values: dict[str, dict[str, list[float]]] = {
+        path: {n: [] for n, _, _ in spans} for path, spans in PATHS.items()
+    }
+    counts = dict.fromkeys(PATHS, 0)
     for parts in joined(records).values():
-        for name, start, end in spans:
+        path = path_of(parts)
+        if "prefill" in parts and "decode" in parts:
+            counts[path] += 1
+        for name, start, end in PATHS[path]:
             if (ms := span_ms(parts, start, end)) is not None:
-                values[name].append(ms)
-    return {name: round(statistics.median(v), 2) for name, v in values.items() if v}
+                values[path][name].append(ms)
+    return {
+        path: {
+            "requests": counts[path],
+            **{name: round(statistics.median(v), 2) for name, v in values[path].items() if v},
+        }
+        for path in PATHS
+    }
 
 
 def paired_overhead(records: list[TraceRecord], ttft_s: dict[str, float]) -> list[float]:
@@ -297,7 +321,6 @@ def measure(
             "fixed_overhead_unpaired_ms": round(1000 * statistics.median(unpaired[length]), 2),
             **{key: {kind: gaps[kind][key] for kind in gaps} for key in gaps["pd"]},
             "stages_ms": stage_breakdown(mine),
-            "p_answer_ms": stage_breakdown(mine, P_ANSWER),
         }
     return out
 
@@ -321,15 +344,20 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     top.set_ylabel("x colocated TTFT (median)")
     top.legend(fontsize=8)
     top.set_title("First token through pd-router (P->D)")
-    bottoms = [0.0] * len(cases)
-    for name, _, _ in SPANS:
-        if name == "p_prefill":
-            continue
-        values = [results[m][n]["stages_ms"].get(name, 0.0) for m, n in cases]
-        bottom.bar(list(x), values, bottom=bottoms, label=name)
-        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for offset, (way, spans) in zip((-0.2, 0.2), PATHS.items(), strict=True):
+        bottoms = [0.0] * len(cases)
+        for name, _, _ in spans:
+            if name == "p_prefill":
+                continue
+            values = [results[m][n]["stages_ms"][way].get(name, 0.0) for m, n in cases]
+            label = f"{name} ({way})" if name not in ("router_in", "to_p_engine") or offset < 0 else None
+            bottom.bar([i + offset for i in x], values, width=0.4, bottom=bottoms, label=label)
+            bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     bottom.set_ylabel("ms (median per stage)")
-    bottom.set_title("Stages besides P's prefill", fontsize=10)
+    bottom.set_title(
+        "Stages besides P's prefill, by the way the first token came (left: P's answer, right: D's stream)",
+        fontsize=9,
+    )
     bottom.set_xticks(list(x), labels)
     bottom.legend(fontsize=7, ncol=2)
     fig.tight_layout()

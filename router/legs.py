@@ -5,11 +5,12 @@ process, one coroutine per request. Per flow (docs/wire-contract.md): pd-push se
 transfer id; vllm-standard sends P first and D what P returned, trying other P on failure and prefilling on
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
 (``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
-``seeding.applies`` to has D continue from P's first token. In pd-push, D's own stream carries that token
-when it can (``seeding.decode_streams_first``), and is relayed as any stream while P's leg runs on, a failed
-P leg failing the attempt until D's first event came (``guard``); otherwise the router streams P's token as
-soon as P's leg answered (``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its
-own first token: the client then gets D's stream alone, as from vLLM's own proxies.
+``seeding.applies`` to has D continue from P's first token, which the router streams as soon as P's leg
+answered (``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its own first token:
+the client then gets D's stream alone, as from vLLM's own proxies. In pd-push, D's own stream carries P's
+token too when it can (``seeding.decode_streams_first``), and whichever of P's answer and D's first token
+event comes first is the client's first token (``opening``): an idle P's answer is a few ms ahead of D's
+stream, a busy P's front end far behind it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
-from router.seeding import NotSeedable, applies, decode_streams_first, first_events, prompt_tokens
+from router.seeding import (
+    NotSeedable,
+    applies,
+    decode_streams_first,
+    first_events,
+    first_token,
+    prompt_tokens,
+)
 from router.streaming import Stitcher, StreamState, error_message, opens_chat, strip_token_ids
 from router.trace import Stamps
 from router.upstream import (
@@ -163,7 +171,16 @@ class Legs:
         """Await a D leg; in sglang-bootstrap a failed P leg aborts it (SGLang's D cannot prefill alone)."""
         if p_task is None or self.cfg.flow != "sglang-bootstrap":
             return await leg
-        return await guard(p_task, leg, "SGLang decode cannot continue without it")
+        d_task = asyncio.ensure_future(leg)
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and p_task.exception() is not None and not d_task.done():
+                d_task.cancel()
+                raise PrefillFailed("prefill", "prefill leg failed; SGLang decode cannot continue without it")
+            return await d_task
+        finally:
+            if not d_task.done():
+                d_task.cancel()
 
     async def opening(
         self,
@@ -175,36 +192,58 @@ class Legs:
         state: StreamState | None,
         strip: bool,
         stamps: Stamps | None = None,
-    ) -> tuple[Response, bytes, bytes, Stitcher | None]:
+    ) -> tuple[Response, bytes, bytes | asyncio.Task[bytes], Stitcher | None]:
         """D's stream, and what the client gets first: ``(resp, lead, first, stitcher)``.
 
-        Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``). Seeded
-        with D's stream carrying P's token (``decode_streams_first``): D's events up to its first past a
-        chat's role chunk, failing as P's fault (``PrefillFailed``, nothing reached the client) if P's leg
-        fails before that event or it is an error (D ended the request: P's token never reached it).
-        Otherwise seeded: D's stream is opened and,
-        once P's leg answered, ``lead`` holds P's first token as stream events
-        (ending the stream when that token finished the request) and ``stitcher`` makes D's events read as
-        their continuation; ``state`` (when the stream is resumable) has recorded the token. A P leg that
-        failed, or answered what cannot be streamed, fails the attempt as P's fault (``PrefillFailed``):
-        whether D got P's token is unknown then, so the attempt is retried (nothing reached the client yet)
-        rather than relayed, on another P or on D alone.
+        Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``).
+        Seeded with D's stream carrying P's token too (``decode_streams_first``), whichever comes first is the
+        client's first token: D's events up to its first past a chat's role chunk (relayed as they are; an
+        error there, D having ended the request because P's token never reached it, fails the attempt as
+        P's, ``PrefillFailed``), or P's answer, as below, with ``first`` the task that reads D's first token
+        events (the relay awaits it once ``lead`` went out) and a ``stitcher`` that cuts P's token out of
+        them. Otherwise seeded: D's stream is opened and, once P's leg answered, ``lead`` holds P's first
+        token as stream events (ending the stream when that token finished the request) and ``stitcher``
+        makes D's events read as their continuation; ``state`` (when the stream is resumable) has recorded
+        the token. A P leg that failed before the client's first token, or answered what cannot be
+        streamed, fails the attempt as P's fault (``PrefillFailed``): whether D got P's token is unknown
+        then, so the attempt is retried (nothing reached the client yet) rather than relayed, on another P
+        or on D alone.
         """
         if p_task is None or not self.seeds(request):
             opened, first = await self.first_event(worker, path, body, stamps)
             return opened, b"", first, None
-        if self.decode_streams_first(request):
-            leg = self._open(worker, path, body, stamps, worker.url, _first_token_events(worker, stamps))
-            opened, (role, event) = await guard(p_task, leg, "D has no first token to stream without it")
+        d_first: asyncio.Task[tuple[bytes, bytes]] | None = None
+        answer = _prefill_answer(p_task)
+
+        async def either(resp: Response) -> bytes | None:
+            """P's answer, or None when D's first token events came first. D's stream is open: a P leg
+            that ended before that ended before D's first token event too."""
+            nonlocal d_first
+            d_first = asyncio.ensure_future(_first_token_events(worker, stamps)(resp))
+            if not p_task.done():
+                await asyncio.wait({p_task, d_first}, return_when=asyncio.FIRST_COMPLETED)
+            if d_first.done():
+                d_first.result()  # its failure is this attempt's
+                return None
+            return await answer(resp)
+
+        races = self.decode_streams_first(request)
+        source = f"{worker.url} or its prefill"
+        try:
+            resp, data = await self._open(worker, path, body, stamps, source, either if races else answer)
+        except BaseException:
+            if d_first is not None:
+                d_first.cancel()
+            raise
+        if data is None:
+            assert d_first is not None
+            role, event = d_first.result()
             message = error_message(event)
             if message is not None or not event.endswith(b"\n\n"):
-                opened.close()
+                resp.close()
                 why = f"streamed an error ({message})" if message is not None else "closed the stream"
                 raise PrefillFailed("error_event", f"{worker.url} {why} before P's first token")
-            return opened, b"", role + event, None
-        resp, data = await self._open(
-            worker, path, body, stamps, f"{worker.url} or its prefill", _prefill_answer(p_task)
-        )
+            return resp, b"", role + event, None
         try:
             chat = "messages" in request
             opts = request.get("stream_options")
@@ -212,7 +251,10 @@ class Legs:
             limit = request.get("max_completion_tokens", request.get("max_tokens"))
             events, _ = first_events(data, chat, limit if isinstance(limit, int) else None, usage)
             prompt = prompt_tokens(data)
+            skip = first_token(data, chat) if d_first is not None else None
         except NotSeedable as e:
+            if d_first is not None:
+                d_first.cancel()
             resp.close()
             raise PrefillFailed("protocol", str(e)) from None
         if stamps is not None:
@@ -220,7 +262,15 @@ class Legs:
         state = state or StreamState(need_text=chat)
         state.observe_batch(events)
         lead = strip_token_ids(events) if strip else events
-        return resp, lead, b"", Stitcher(state, prompt, strip)
+        stitcher = Stitcher(state, prompt, strip, skip=skip)
+        if d_first is None:
+            return resp, lead, b"", stitcher
+        return (
+            resp,
+            lead,
+            asyncio.ensure_future(_events(d_first, worker, self.cfg.timeouts.first_byte_s)),
+            stitcher,
+        )
 
     async def first_event(
         self, worker: Worker, path: str, body: bytes, stamps: Stamps | None = None
@@ -285,20 +335,16 @@ def _first_token_events(
     return first
 
 
-async def guard(p_task: asyncio.Task[bytes], leg: Awaitable[T], why: str) -> T:
-    """Await a D leg, failing it as P's fault (``PrefillFailed``, ``why``: what D lacks) when the P leg fails
-    first; a P leg that answers first changes nothing, and one that fails after the D leg is done is ignored."""
-    d_task = asyncio.ensure_future(leg)
+async def _events(d_first: asyncio.Task[tuple[bytes, bytes]], worker: Worker, timeout_s: float) -> bytes:
+    """D's first token events, read by ``d_first``, once P's answer was the client's first token; within
+    ``timeout_s``, and complete (the relay resumes the stream after P's token otherwise)."""
     try:
-        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        failed = p_task.done() and not p_task.cancelled() and p_task.exception() is not None
-        if failed and not d_task.done():
-            d_task.cancel()
-            raise PrefillFailed("prefill", f"prefill leg failed; {why}")
-        return await d_task
-    finally:
-        if not d_task.done():
-            d_task.cancel()
+        role, event = await asyncio.wait_for(d_first, timeout_s)
+    except TimeoutError:
+        raise UpstreamError("timeout", f"no first token event from {worker.url} after P's answer") from None
+    if not event.endswith(b"\n\n"):
+        raise UpstreamError("protocol", f"{worker.url} closed the stream before its first token event")
+    return role + event
 
 
 def _prefill_answer(p_task: asyncio.Task[bytes]) -> Callable[[Response], Awaitable[bytes]]:

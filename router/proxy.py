@@ -272,7 +272,8 @@ class Proxy:
         stamps: Stamps | None,
     ) -> Reply | None:
         """First attempt of a streamed request; commits to the client after the first upstream event."""
-        strip = _wants_ids(parsed, decode)
+        races = prefill is not None and self.legs.decode_streams_first(parsed.body)
+        strip = _wants_ids(parsed, decode, races)
         extra = {"return_token_ids": True} if strip else {}
         body, local, p_task = await self.legs.start(
             path, parsed.body, parsed.raw, parsed.prompt_tokens, prefill, failed, extra, stamps
@@ -327,6 +328,8 @@ def _unavailable(role: str, retry_after_s: int) -> ApiError:
     return ApiError(503, f"no healthy {role} worker is available", retry_after_s=retry_after_s)
 
 
-def _wants_ids(parsed: Parsed, decode: Worker) -> bool:
-    """Ask a vLLM decode worker for token ids (and hide them again) so a resume is token-exact."""
-    return parsed.resumable and decode.cfg.engine == "vllm" and "return_token_ids" not in parsed.body
+def _wants_ids(parsed: Parsed, decode: Worker, races: bool) -> bool:
+    """Ask a vLLM decode worker for token ids (and hide them again) so a resume is token-exact, or, when P's
+    answer and D's stream race to carry P's token (``races``), to cut that token out of D's stream."""
+    wanted = parsed.resumable or races
+    return wanted and decode.cfg.engine == "vllm" and "return_token_ids" not in parsed.body

@@ -68,7 +68,7 @@ async def relay(
     stream: ClientStream,
     resp: Response,
     worker: Worker,
-    first: bytes,
+    first: bytes | asyncio.Task[bytes],
     stitcher: Stitcher | None,
     lead: bytes = b"",
     stamps: Stamps | None = None,
@@ -76,9 +76,10 @@ async def relay(
     """Copy events to the client until [DONE]; returns the upstream error that broke the stream, if any.
 
     ``lead``: events the router wrote itself (P's first token, ``legs.Legs.opening``), sent as they are
-    before ``first`` (then empty: every event of the worker's stream goes through the Pump). When ``lead``
-    ends the stream, the worker's stream is closed unread. ``stamps`` (a seeded P/D request's) gets
-    ``decode_continued`` when the first bytes of D's own stream arrive. The first event goes out through
+    before ``first``: empty (every event of the worker's stream goes through the Pump), or the task reading
+    the worker's first events, awaited once ``lead`` went out (its failure breaks the stream after ``lead``).
+    When ``lead`` ends the stream, the worker's stream is closed unread. ``stamps`` (a seeded P/D request's)
+    gets ``decode_continued`` when the first bytes of D's own stream arrive. The first event goes out through
     ``client.write``; the rest are relayed by a ``Pump`` inside the upstream connection's read callback,
     byte for byte, all complete events of one read in one write. This coroutine only waits for the end, an
     error, the idle timeout or a slow client. After ``[DONE]`` the upstream connection is released for
@@ -93,6 +94,22 @@ async def relay(
             state.observe_batch(batch)
         return strip_token_ids(batch) if strip else batch
 
+    if isinstance(first, asyncio.Task):
+        task = first
+        try:
+            await write(client, lead)
+            if lead.endswith(DONE):
+                resp.close()
+                return None
+            first = await task
+        except UpstreamError as e:
+            return e
+        finally:
+            task.cancel()  # still reading when the client left or the lead ended the stream
+        lead = b""
+        if stamps is not None:
+            stamps.mark("decode_continued")
+            stamps = None
     try:
         out, failure = (lead + transform(first) if first else lead), None
     except WorkerErrorEvent as e:

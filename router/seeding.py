@@ -4,12 +4,13 @@ Router process, one request's coroutine (``legs.py``). P samples a token when it
 ``pd_seed_first_token`` (docs/wire-contract.md), takes that token from P's ``Done`` over the side channel and
 samples the second one after it, so the first token reaches the client as soon as P's leg answers (P's
 prefill plus one hop) and a sampled stream stays one sequence. Where D's own stream can carry the token
-(``decode_streams_first``: pd-push, no logprobs asked), D is asked to (``pd_stream_first_token``) and its
-stream is relayed as it is: the token reaches the client as soon as D has it, usually before P's answer has
-come back through P's front end. Otherwise D's API server never sees the first token, so the router writes
-it: ``first_events`` turns P's (non-streamed) answer into the stream events vLLM would have sent for it, and
-D's events follow through ``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk or prompt
-ids, usage counting the first token).
+(``decode_streams_first``: pd-push, no logprobs asked), D is asked to (``pd_stream_first_token``), and the
+first of the two to reach the router is the client's first token: D's stream is then relayed as it is, or
+P's answer is followed by D's events without P's token (``first_token`` says what to cut out). Otherwise D's
+API server never sees the first token, so the router writes it: ``first_events`` turns P's (non-streamed)
+answer into the stream events vLLM would have sent for it, and D's events follow through
+``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk or prompt ids, usage counting the
+first token).
 
 ``applies`` keeps seeding to requests where D's front end, which does not see the first token, still gets
 everything else right: one streamed sequence, no stop strings or penalties or structured output that depend
@@ -22,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from router.streaming import DONE
+from router.streaming import DONE, FirstToken
 
 #: Sampling fields whose effect on D's tokens depends on the earlier tokens' text or count, which D's API
 #: server (detokenizer, stop checker) or model runner (penalties over outputs, min_tokens) would miss.
@@ -134,6 +135,15 @@ def first_events(
             out += b"\n\n"
         out += DONE
     return out, complete
+
+
+def first_token(data: bytes, chat: bool) -> FirstToken:
+    """P's token as P's answer ``data`` gives it (its ids, when the router asked for them, and its text), to be
+    cut out of D's stream when D streams it too."""
+    _, choice = _answer(data)
+    ids = choice.get("token_ids")
+    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+    return FirstToken(ids if isinstance(ids, list) else None, text if isinstance(text, str) else "")
 
 
 def prompt_tokens(data: bytes) -> int:

@@ -17,9 +17,10 @@ content event (docs/router.md, Limits).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -27,6 +28,8 @@ from router.requests import Parsed
 
 DONE = b"data: [DONE]\n\n"
 _DONE_LINE = b"data: [DONE]"
+log = logging.getLogger("router.streaming")
+
 _PREFIX = b"data: "
 _SEP = b"\n\n"
 
@@ -324,18 +327,34 @@ class WorkerErrorEvent(Exception):
         self.out = out
 
 
+class FirstToken(NamedTuple):
+    """A token the client already has (P's, from P's answer) at the start of a worker's stream: its ids
+    (None when unknown) and its text."""
+
+    ids: list[int] | None
+    text: str
+
+
 class Stitcher:
     """Rewrites a continuation worker's events into the original stream."""
 
     def __init__(
-        self, state: StreamState, prompt_tokens: int, strip_ids: bool, seam: Seam | None = None
+        self,
+        state: StreamState,
+        prompt_tokens: int,
+        strip_ids: bool,
+        seam: Seam | None = None,
+        skip: FirstToken | None = None,
     ) -> None:
         """``seam``: the worker streams a completion that continues a chat (``as_completion``); its events are
-        rewritten as chat chunks."""
+        rewritten as chat chunks. ``skip``: the worker's stream starts with this token, which the client got
+        already (first-token seeding, D streaming P's token after P's answer reached the client): it is cut
+        out of the worker's first token event, and the worker's usage counts it already."""
         self._state = state
         self._seam = seam
+        self._skip = skip
         self._prompt_tokens = prompt_tokens
-        self._earlier_tokens = state.tokens
+        self._earlier_tokens = state.tokens - (1 if skip is not None else 0)
         self._strip_ids = strip_ids
         self._first = True
 
@@ -377,6 +396,11 @@ class Stitcher:
                     c["prompt_token_ids"] = None
         if _opens_chat(choices):
             return None  # the second worker's opening role chunk: the client already had one
+        if self._skip is not None and choices and _cut(choices[0], self._skip) and "usage" not in chunk:
+            self._skip = None
+            return None  # nothing left of the worker's first token event
+        if choices:
+            self._skip = None
         usage = chunk.get("usage")
         if isinstance(usage, dict) and "completion_tokens" in usage:
             completion = int(usage["completion_tokens"]) + self._earlier_tokens
@@ -388,6 +412,25 @@ class Stitcher:
         out = _PREFIX + msgspec.json.encode(chunk) + b"\n\n"
         self._state.observe(out)
         return strip_token_ids(out) if self._strip_ids else out
+
+
+def _cut(choice: dict[str, Any], token: FirstToken) -> bool:
+    """Cut ``token`` out of the front of a chunk's ``choice`` (its first id, its text where the text starts
+    with the token's); True when nothing is left (no ids, no text, no finish reason)."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and ids:
+        n = len(token.ids) if token.ids else 1
+        if token.ids is not None and ids[:n] != token.ids:
+            log.warning("a first token's ids %s are not at the start of the worker's %s", token.ids, ids)
+        else:
+            choice["token_ids"] = ids[n:]
+    holder, key = (choice["delta"], "content") if isinstance(choice.get("delta"), dict) else (choice, "text")
+    text = holder.get(key)
+    if isinstance(text, str) and text.startswith(token.text):
+        holder[key] = text[len(token.text) :]
+    elif token.text:
+        log.warning("a first token's text %r is not at the start of the worker's %r", token.text, text)
+    return not choice.get("token_ids") and not holder.get(key) and choice.get("finish_reason") is None
 
 
 def _opens_chat(choices: Any) -> bool:

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.first_token import P_ANSWER, SPANS, gap_stats, paired_overhead, stage_breakdown
+from benchmarks.first_token import PATHS, gap_stats, paired_overhead, stage_breakdown
 from pd_connector.trace import TraceRecord
 from pd_disagg.engines import vllm_server
 
 
-def _request(tid: str, shift: float, state: str = "done") -> list[TraceRecord]:
-    router = {
-        "received": 0.0,
-        "prefill_sent": 0.001,
-        "decode_first_event": 0.168,
-        "prefill_returned": 0.17,
-        "client_first_byte": 0.171,
-    }
+def _request(tid: str, shift: float, state: str = "done", via: str = "decode") -> list[TraceRecord]:
+    """A P/D request's three records; ``via``: which way its first token came (P's answer: the router stamps
+    D's stream joining after it)."""
+    router = {"received": 0.0, "prefill_sent": 0.001, "prefill_returned": 0.17, "client_first_byte": 0.171}
+    if via == "decode":
+        router["decode_first_event"] = 0.168
+        router["client_first_byte"] = 0.169
+    else:
+        router["decode_first_event"] = 0.1705
+        router["decode_continued"] = 0.175
     prefill = {"offered": 0.01, "prompt_done": 0.15, "done": 0.152}
     decode = {"done": 0.153, "reported": 0.16}
     return [
@@ -28,20 +30,26 @@ def _request(tid: str, shift: float, state: str = "done") -> list[TraceRecord]:
     ]
 
 
-def test_spans_of_joined_requests_add_up_to_the_routers_ttft() -> None:
+def test_spans_along_the_way_each_first_token_came_add_up_to_the_routers_ttft() -> None:
     records = (
-        _request("a", 100.0) + _request("b", 200.0) + [TraceRecord("router", "lonely", {"received": 1.0})]
+        _request("a", 100.0)
+        + _request("b", 200.0)
+        + _request("c", 300.0, via="prefill")
+        + [TraceRecord("router", "lonely", {"received": 1.0})]
     )
     stages = stage_breakdown(records)
-    assert list(stages) == [name for name, _, _ in SPANS]
-    assert stages["p_prefill"] == 140.0 and stages["d_report"] == 7.0 and stages["d_first_token"] == 8.0
-    assert round(sum(stages.values()), 6) == 171.0  # received -> client_first_byte, through D's stream
-    assert stage_breakdown(records, P_ANSWER) == {"p_answer": 20.0}
+    assert list(stages) == list(PATHS)
+    via_d, via_p = stages["via_decode"], stages["via_prefill"]
+    assert (via_d.pop("requests"), via_p.pop("requests")) == (2, 1)
+    assert list(via_d) == [name for name, _, _ in PATHS["via_decode"]]
+    assert via_d["p_prefill"] == 140.0 and via_d["d_report"] == 7.0 and via_d["d_first_token"] == 8.0
+    assert round(sum(via_d.values()), 6) == 169.0  # received -> client_first_byte, through D's stream
+    assert via_p["p_answer"] == 20.0 and round(sum(via_p.values()), 6) == 171.0  # through P's answer
 
 
 def test_failed_transfers_are_left_out() -> None:
-    stages = stage_breakdown(_request("a", 0.0, state="failed"))
-    assert "p_prefill" not in stages and stages["router_in"] == 1.0
+    stages = stage_breakdown(_request("a", 0.0, state="failed"))["via_decode"]
+    assert "p_prefill" not in stages and stages["router_in"] == 1.0 and stages["requests"] == 0
 
 
 def test_fixed_overhead_is_the_ttft_less_ps_own_time_on_the_same_request() -> None:

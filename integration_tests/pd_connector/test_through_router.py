@@ -151,10 +151,11 @@ def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, rout
 
 
 def test_decode_streams_prefills_sampled_first_token_itself(pd: Cluster, router: str) -> None:
-    """The same without logprobs: pd-router asks D to stream P's token itself (``pd_stream_first_token``)
-    and relays D's stream without waiting for P's answer. The client's first token is still P's, D continues
-    from it (as prompt + P's token would, same seed), the usage counts every token once, and D's stream
-    carried it: D's front end counted every token the client got (P's answer carrying it, D counts one
+    """The same without logprobs: pd-router asks D to stream P's token too (``pd_stream_first_token``), and
+    whichever of P's answer and D's first token event comes first is the client's first token (D's copy is
+    cut out when P's came first). The client's first token is P's either way, D continues from it (as
+    prompt + P's token would, same seed), the usage counts every token once, and D's stream carried P's
+    token: D's front end counted every token of the stream (where P's answer alone carries it, D counts one
     fewer). The transfer happened (exact bytes, one load, nothing failed or recomputed). Prompt of one
     prefill step, as above."""
     prompt = tokens(CHUNK, seed=7200)

@@ -206,8 +206,9 @@ async def test_admin_add_drain_remove(make_cluster) -> None:
     ("flow", "stream"),
     [
         ("pd-push", False),
-        ("pd-push", "decode"),  # seeded, D's stream carries P's token
-        ("pd-push", "answer"),  # seeded, logprobs asked: P's answer is the first token
+        ("pd-push", "decode"),  # seeded, D's stream carries P's token and comes first
+        ("pd-push", "answer"),  # seeded, logprobs asked: P's answer is the first token (and D's stream
+        # does not carry it)
         ("vllm-standard", False),
         ("vllm-standard", "answer"),
     ],
@@ -221,6 +222,8 @@ async def test_a_disaggregated_request_is_traced_under_its_transfer_id(
     answer: P's may come after the stream ended (its leg is then closed), so its stage is optional."""
     trace = tmp_path / "router.jsonl"
     c = await make_cluster(n_decode=1, flow=flow, server__trace_path=str(trace))
+    if stream == "decode":
+        c.prefill[0].first_token_delay_s = 60  # P's answer after D's stream (and after the request)
     for prompt in (long_prompt(), short_prompt()):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": bool(stream)}
         if stream == "answer":

@@ -89,6 +89,36 @@ async def test_a_stream_d_leads_does_not_wait_for_prefills_answer(make_cluster, 
     assert 'pd_router_prefill_failures_total{flow="pd-push"}' not in metrics
 
 
+@pytest.mark.parametrize("winner", ["prefill", "decode"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_first_of_prefills_answer_and_decodes_stream_is_the_first_token(
+    make_cluster, path: str, winner: str
+) -> None:
+    """D streams P's token too (pd-push, no logprobs): whichever of P's answer and D's first token event
+    reaches the router first is the client's first token, and the stream is the same either way: every
+    token once, in order, one id and role chunk, the usage of every token. P first: D's copy of P's token
+    is cut out of its stream (``decode_continued`` is stamped when D's stream joins)."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    if winner == "prefill":
+        c.decode[0].token_delay_s = 0.2  # D's stream opens at once, its first token comes later
+    else:
+        c.prefill[0].first_token_delay_s = 60
+    body = _stream_body(path, stream_options={"include_usage": True}, return_token_ids=True)
+    r = await c.router.post(path, json=body)
+    raw = await r.read()
+    assert r.status == 200 and text_of(raw) == _expected(path, 4) and payloads(raw)[-1] == "[DONE]"
+    chunks = [x for x in payloads(raw) if isinstance(x, dict)]
+    assert [t for x in chunks for ch in x["choices"] for t in ch.get("token_ids") or []] == [64, 65, 66, 67]
+    assert len({x["id"] for x in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] == 4
+    roles = [x for x in chunks if x["choices"] and "role" in x["choices"][0].get("delta", {})]
+    assert len(roles) == (1 if "chat" in path else 0)
+    (d,) = c.decode[0].requests
+    assert d["kv_transfer_params"]["pd_stream_first_token"] is True
+    metrics = await (await c.router.get("/metrics")).text()
+    joined = 'pd_router_stage_seconds_count{stage="client_first_byte->decode_continued"} 1.0' in metrics
+    assert joined is (winner == "prefill")
+
+
 @pytest.mark.parametrize("logprobs", [False, True])
 async def test_client_token_ids_are_the_streams(make_cluster, logprobs: bool) -> None:
     """Token ids the client asked for: every token's once, and the prompt's on the first event only, whether
@@ -103,14 +133,17 @@ async def test_client_token_ids_are_the_streams(make_cluster, logprobs: bool) ->
     assert all(ch.get("prompt_token_ids") is None for x in chunks[1:] for ch in x["choices"])
 
 
-@pytest.mark.parametrize("logprobs", [False, True])
-async def test_one_token_request_ends_with_prefills_token(make_cluster, logprobs: bool) -> None:
-    """The client asked one token. With logprobs P's answer is the whole stream, and D's leg is closed (vLLM
-    aborts it); without, D's stream carries P's token alone and ends (a PDConnector D ends the request there:
-    ``compat.stream_first_tokens``)."""
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+async def test_one_token_request_ends_with_prefills_token(make_cluster, first: str) -> None:
+    """The client asked one token. P's answer first: it is the whole stream, and D's leg is closed (vLLM
+    aborts it). D's stream first (it carries P's token too): it ends after that token (a PDConnector D ends
+    the request there: ``compat.stream_first_tokens``), and P's leg is closed."""
     c = await make_cluster(n_prefill=1, n_decode=1)
-    c.decode[0].token_delay_s = 0.5 if logprobs else 0  # D still computing when P's answer ends the stream
-    body = _stream_body("/v1/completions", logprobs, max_tokens=1, stream_options={"include_usage": True})
+    if first == "prefill":
+        c.decode[0].token_delay_s = 0.5  # D still computing when P's answer ends the stream
+    else:
+        c.prefill[0].first_token_delay_s = 60
+    body = _stream_body("/v1/completions", max_tokens=1, stream_options={"include_usage": True})
     r = await c.router.post("/v1/completions", json=body)
     raw = await r.read()
     items = payloads(raw)
@@ -118,10 +151,8 @@ async def test_one_token_request_ends_with_prefills_token(make_cluster, logprobs
     chunks = [x for x in items if isinstance(x, dict)]
     assert chunks[0]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 1
-    if logprobs:
-        await wait_until_async(lambda: c.decode[0].abandoned == 1, 2, "D's leg closed")
-    else:
-        assert c.decode[0].abandoned == 0 and c.decode[0].finished == 1
+    closed = c.decode[0] if first == "prefill" else c.prefill[0]
+    await wait_until_async(lambda: closed.abandoned == 1, 2, "the other leg closed")
 
 
 @pytest.mark.parametrize("logprobs", [False, True])
@@ -140,29 +171,32 @@ async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster, logprob
     assert 'pd_router_prefill_failures_total{flow="pd-push"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize("first", ["prefill", "decode"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_a_decode_that_lost_prefills_token_is_resumed_after_it(
-    make_cluster, path: str, logprobs: bool
+    make_cluster, path: str, first: str
 ) -> None:
-    """P answered but its KV and token never reached D: D ends the request with vLLM's generation error
-    rather than repeat the token. The router keeps that error from the client and resumes the stream after
-    what the client got (P's token from P's answer with logprobs, nothing when D's stream was to carry it),
-    here on the same D (its error is not held against it), which prefills itself: the client gets every
-    token once and no error."""
+    """P's KV and token never reached D: D ends the request with vLLM's generation error rather than repeat
+    the token. P's answer first (the client has P's token): the router keeps that error from the client and
+    resumes the stream after P's token, here on the same D (its error is not held against it), which
+    prefills the prompt and the token itself. D's error first (P's answer slow: the client has nothing):
+    the attempt is retried, charged to P, here on D alone. Either way the client gets every token once and
+    no error."""
     c = await make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].lose_kv = True
-    r = await c.router.post(path, json=_stream_body(path, logprobs, stream_options={"include_usage": True}))
+    if first == "decode":
+        c.prefill[0].first_token_delay_s = 60
+    r = await c.router.post(path, json=_stream_body(path, stream_options={"include_usage": True}))
     raw = await r.read()
     assert r.status == 200 and text_of(raw) == _expected(path, 4)
     assert not any(isinstance(x, dict) and "error" in x for x in payloads(raw))
     seeded, resumed = c.decode[0].requests
     assert seeded["kv_transfer_params"]["pd_seed_first_token"] is True
-    assert "kv_transfer_params" not in resumed and resumed["max_tokens"] == (3 if logprobs else 4)
+    assert "kv_transfer_params" not in resumed and resumed["max_tokens"] == (3 if first == "prefill" else 4)
     chunks = [x for x in payloads(raw) if isinstance(x, dict)]
     assert len({x["id"] for x in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] == 4
     metrics = await (await c.router.get("/metrics")).text()
-    if logprobs:  # resumed after the token the client has
+    if first == "prefill":  # resumed after the token the client has
         assert "pd_router_decode_resumes_total 1.0" in metrics and 'kind="error_event"' in metrics
     else:  # the client had nothing yet: the attempt is retried, the failure charged to P
         assert "pd_router_decode_resumes_total 0.0" in metrics

@@ -10,6 +10,7 @@ import pytest
 from router.requests import Parsed
 from router.streaming import (
     DONE,
+    FirstToken,
     Stitcher,
     StreamState,
     Unresumable,
@@ -120,6 +121,60 @@ def test_stitcher_keeps_id_drops_role_and_sums_usage() -> None:
     assert list(fixed) == ["prompt_tokens", "total_tokens", "completion_tokens"]  # vLLM's key order
     assert st.rewrite(DONE) == DONE
     assert s.tokens == 2 and "".join(s.text) == "xy"
+
+
+def _after_p(chat: bool = False) -> tuple[StreamState, Stitcher]:
+    """A stream whose client got P's token (id 7, text " a") from P's answer, and the stitcher of D's
+    stream, which carries that token too."""
+    state = StreamState(need_text=chat)
+    if chat:
+        state.observe(chat_chunk({"role": "assistant", "content": ""}, rid="P", created=1))
+        state.observe(chat_chunk({"content": " a"}, rid="P", created=1))
+    else:
+        state.observe(ids_chunk(" a", [7], prompt=[1, 2]))
+    return state, Stitcher(state, 2, strip_ids=False, skip=FirstToken([7], " a"))
+
+
+def test_p_token_is_cut_out_of_d_stream_alone_or_merged_with_the_next() -> None:
+    """D's stream carries P's token first: its own event is dropped; merged with the next token (D's front
+    end was behind), the token's id and text are cut from the front and the rest goes on. Usage is D's,
+    which counted P's token already; only the first token event is cut."""
+    state, st = _after_p()
+    assert st.rewrite(ids_chunk(" a", [7], prompt=[1, 2])) is None
+    out = msgspec.json.decode((st.rewrite(ids_chunk(" b", [8])) or b"")[6:])
+    assert out["choices"][0]["token_ids"] == [8]
+    state, st = _after_p()
+    merged = msgspec.json.decode((st.rewrite(ids_chunk(" a b", [7, 8], prompt=[1, 2])) or b"")[6:])
+    assert (merged["choices"][0]["text"], merged["choices"][0]["token_ids"]) == (" b", [8])
+    assert merged["choices"][0]["prompt_token_ids"] is None
+    assert msgspec.json.decode((st.rewrite(ids_chunk(" a", [7])) or b"")[6:])["choices"][0]["text"] == " a"
+    usage = ev(
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 2, "total_tokens": 5, "completion_tokens": 3},
+        }
+    )
+    assert msgspec.json.decode((st.rewrite(usage) or b"")[6:])["usage"]["completion_tokens"] == 3
+    assert state.ids == [7, 8, 7]
+
+
+def test_p_token_is_cut_out_of_d_chat_stream_after_its_role_chunk() -> None:
+    state, st = _after_p(chat=True)
+    assert st.rewrite(chat_chunk({"role": "assistant", "content": ""}, rid="D", created=2)) is None
+    assert st.rewrite(chat_chunk({"content": " a"}, rid="D", created=2)) is None
+    out = msgspec.json.decode((st.rewrite(chat_chunk({"content": " b"}, rid="D", created=2)) or b"")[6:])
+    assert (out["id"], out["choices"][0]["delta"]["content"]) == ("P", " b")
+    assert "".join(state.text) == " a b"
+
+
+def test_a_first_token_event_that_ends_the_stream_keeps_its_finish_reason() -> None:
+    _, st = _after_p()
+    out = msgspec.json.decode((st.rewrite(ids_chunk(" a", [7], finish="stop")) or b"")[6:])
+    assert out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["token_ids"] == []
 
 
 def test_token_ids_count_merged_events_and_make_the_continuation_token_exact() -> None:
