@@ -31,9 +31,12 @@ def prefill_body(body: dict[str, Any], params: wire.Params) -> dict[str, Any]:
     return {**body, "max_tokens": 1, "stream": False, wire.KV_TRANSFER_PARAMS: wire.encode(params)}
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, bootstrap: str) -> dict[str, Any]:
-    """D's leg in our push flow: the body with the transfer id and P's side channel."""
-    return {**body, wire.KV_TRANSFER_PARAMS: wire.encode(wire.PushDecode(transfer_id, bootstrap))}
+def decode_body(body: dict[str, Any], transfer_id: str, bootstrap: str, seed: bool = False) -> dict[str, Any]:
+    """D's leg in our push flow: the body with the transfer id and P's side channel; ``seed``: D continues
+    from P's first token and its answer carries that token (what pd-router asks on a seeded stream without
+    logprobs: ``pd_seed_first_token`` and ``pd_stream_first_token``)."""
+    params = wire.PushDecode(transfer_id, bootstrap, pd_seed_first_token=seed, pd_stream_first_token=seed)
+    return {**body, wire.KV_TRANSFER_PARAMS: wire.encode(params)}
 
 
 def disaggregated(
@@ -45,10 +48,12 @@ def disaggregated(
     transfer_id: str | None = None,
     timeout_s: float = 120.0,
     corrupt: bool = False,
+    seed: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any] | BaseException]:
     """Our push flow: P and D legs sent concurrently; returns ``(D's answer, P's answer or its error)``.
 
-    ``corrupt`` asks P to zero the KV it pushes (honoured only by a P with ``test_allow_corruption``).
+    ``corrupt`` asks P to zero the KV it pushes (honoured only by a P with ``test_allow_corruption``);
+    ``seed``: D continues from P's first token (``decode_body``).
     """
     transfer_id = transfer_id or uuid.uuid4().hex
     p_result: list[dict[str, Any] | BaseException] = []
@@ -63,7 +68,7 @@ def disaggregated(
     thread = threading.Thread(target=prefill, daemon=True)
     thread.start()
     try:
-        answer = post_json(decode_url + path, decode_body(body, transfer_id, bootstrap), timeout_s)
+        answer = post_json(decode_url + path, decode_body(body, transfer_id, bootstrap, seed), timeout_s)
     finally:
         thread.join(timeout_s)
     return answer, p_result[0] if p_result else TimeoutError("P leg did not return")

@@ -94,8 +94,8 @@ class Legs:
         return self.cfg.flow != "sglang-bootstrap" and applies(body)
 
     def decode_streams_first(self, body: dict[str, Any]) -> bool:
-        """Whether a P/D attempt for ``body`` has D's own stream carry P's first token (pd-push, seeded, no
-        logprobs): P's answer is then not waited for."""
+        """Whether a P/D attempt for ``body`` has D's own stream carry P's first token too (pd-push, seeded,
+        no logprobs): P's answer and D's stream then race to bring it (``opening``)."""
         return self.cfg.flow == "pd-push" and self.seeds(body) and decode_streams_first(body)
 
     async def start(

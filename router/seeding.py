@@ -12,8 +12,8 @@ answer into the stream events vLLM would have sent for it, and D's events follow
 ``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk or prompt ids, usage counting the
 first token).
 
-``applies`` keeps seeding to requests where D's front end, which does not see the first token, still gets
-everything else right: one streamed sequence, no stop strings or penalties or structured output that depend
+``applies`` keeps seeding to requests where D's front end, which does not see the first token where only P's
+answer carries it, still gets everything else right: one streamed sequence, no stop strings or penalties or structured output that depend
 on the text or count of the earlier tokens (docs/wire-contract.md lists them); the rest go P->D unseeded.
 """
 

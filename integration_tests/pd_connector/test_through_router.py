@@ -1,5 +1,6 @@
 """pd-router in front of PDConnector (a real router process, our push flow): which path a request takes,
-streamed completions and chat, and first-token seeding of D with the token P sampled.
+streamed completions and chat, and first-token seeding of D with the token P sampled (through pd-router, and
+a seeded D's own answer, asked directly as pd-router asks it).
 
 Every P/D request's transfer is checked (``pd_checks.Transfers``). Runs on the package's cluster and router
 (conftest.py) in the default configuration.
@@ -103,6 +104,22 @@ def test_router_streams_disaggregated_chat(pd: Cluster, router: str) -> None:
     transfers.check(1, blocks=blocks_to_load(prompt_tokens))
 
 
+def _sampled_through_router(
+    pd: Cluster, router: str, prompt: list[int], sampling: dict[str, Any]
+) -> tuple[int, float, list[dict[str, Any]]]:
+    """``prompt`` with ``sampling`` streamed through pd-router, P->D, after P alone sampled its first token
+    for it: (P's token, D's generated-token count before, the stream's chunks). The transfer happened
+    (exact bytes, one load, nothing failed or recomputed) and the client's first token is P's."""
+    request = body(prompt, **sampling)
+    p_token = token_ids(pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1}))[0]
+    transfers, generated = pd.transfers(), _generated_on_d(pd)
+    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    first = next(t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or [])
+    assert first == p_token, "the client's first token is the one P sampled"
+    return p_token, generated, chunks
+
+
 def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, router: str) -> None:
     """A sampled streamed request (temperature 0.8, fixed seed, logprobs) through pd-router, P->D: the first
     token comes from P's answer (it alone has the token's logprobs).
@@ -126,15 +143,9 @@ def test_router_seeds_decode_with_prefills_sampled_first_token(pd: Cluster, rout
     prompt = tokens(CHUNK, seed=7100)
     assert len(prompt) >= ROUTER_THRESHOLD  # P->D through the router
     sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "logprobs": 2}
-    request = body(prompt, **sampling)
-    first = pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1})
-    p_token = token_ids(first)[0]
-    transfers, generated = pd.transfers(), _generated_on_d(pd)
-    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
-    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    p_token, generated, chunks = _sampled_through_router(pd, router, prompt, sampling)
     choices = [choice for c in chunks for choice in c["choices"]]
     streamed = [t for choice in choices for t in choice.get("token_ids") or []]
-    assert streamed[0] == p_token, "the client's first token is the one P sampled"
     assert choices[0]["token_ids"] == [p_token]
     wait_until(lambda: _generated_on_d(pd) >= generated + MAX_TOKENS - 1, 10, "D's token count")
     assert _generated_on_d(pd) == generated + MAX_TOKENS - 1, "P's answer carried the first token"
@@ -160,14 +171,8 @@ def test_decode_streams_prefills_sampled_first_token_itself(pd: Cluster, router:
     prefill step, as above."""
     prompt = tokens(CHUNK, seed=7200)
     sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 4321}
-    request = body(prompt, **sampling)
-    p_token = token_ids(pd_client.post_json(pd.p_url + "/v1/completions", {**request, "max_tokens": 1}))[0]
-    transfers, generated = pd.transfers(), _generated_on_d(pd)
-    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", request)
-    transfers.check(1, blocks=blocks_to_load(len(prompt)))
-    choices = [choice for c in chunks for choice in c["choices"]]
-    streamed = [t for choice in choices for t in choice.get("token_ids") or []]
-    assert streamed[0] == p_token, "the client's first token is the one P sampled"
+    p_token, generated, chunks = _sampled_through_router(pd, router, prompt, sampling)
+    streamed = [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
     wait_until(lambda: _generated_on_d(pd) >= generated + MAX_TOKENS, 10, "D's token count")
     assert _generated_on_d(pd) == generated + MAX_TOKENS, "D's stream carried P's token too"
     continued = pd_client.post_json(
@@ -179,21 +184,28 @@ def test_decode_streams_prefills_sampled_first_token_itself(pd: Cluster, router:
     assert len({c["id"] for c in chunks}) == 1
 
 
-@pytest.mark.parametrize(("ending", "finish"), [("stop_token_ids", "stop"), ("max_tokens", "length")])
-def test_prefills_token_that_ends_the_request_ends_ds_stream(
-    pd: Cluster, router: str, ending: str, finish: str
+@pytest.mark.parametrize(
+    ("ending", "finish"), [("stop_token_ids", "stop"), ("max_tokens", "length"), ("", "length")]
+)
+def test_seeded_decode_answers_prefills_token_and_ends_there_when_it_stops_the_request(
+    pd: Cluster, ending: str, finish: str
 ) -> None:
-    """P's token is itself a stop token, or the client asked for one token: D, whose stream carries P's
-    token, ends the request with it (vLLM checks stops on sampled tokens only, so PDConnector checks P's),
-    the client gets that one token with vLLM's finish reason and usage, and D holds no blocks after."""
+    """A seeded D asked to carry P's token (sent directly, as pd-router sends its leg): D's answer starts
+    with P's token, then continues as a colocated request does. When P's token is itself a stop token, or
+    the client asked for one token, D ends the request with it (vLLM checks stops on sampled tokens only, so
+    PDConnector checks P's) with vLLM's finish reason, and holds no blocks after. The transfer happened."""
     prompt = tokens(CHUNK, seed=7300 + len(ending))
-    p_token = pd.reference(prompt, 1)[0]
-    extra = {"stop_token_ids": [p_token]} if ending == "stop_token_ids" else {"max_tokens": 1}
+    reference = pd.reference(prompt)
+    extra = {"stop_token_ids": [reference[0]]} if ending == "stop_token_ids" else {}
+    if ending == "max_tokens":
+        extra["max_tokens"] = 1
     transfers = pd.transfers()
-    chunks = _disaggregated_stream_with_usage(router, "/v1/completions", body(prompt, **extra))
+    answer, p_answer = pd_client.disaggregated(
+        pd.p_url, pd.d_url, pd.bootstrap, body(prompt, **extra), seed=True
+    )
+    assert isinstance(p_answer, dict), p_answer
     transfers.check(1, blocks=blocks_to_load(len(prompt)))
-    choices = [choice for c in chunks for choice in c["choices"]]
-    assert [t for choice in choices for t in choice.get("token_ids") or []] == [p_token]
-    assert choices[-1]["finish_reason"] == finish
-    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    expected = reference if not ending else reference[:1]
+    assert (token_ids(answer), answer["choices"][0]["finish_reason"]) == (expected, finish)
+    assert answer["usage"]["completion_tokens"] == len(expected)
     wait_until(lambda: blocks_idle(pd.d_url), 20, "D's blocks released")

@@ -23,11 +23,10 @@ from pd_connector.vllm.compat import (
     StreamedFirstToken,
     check_kv_cache,
     check_version,
-    fail_loads_on_request,
+    hook_step_output,
     limit_busy_poll,
     require,
     schedule_ended_loads_at_once,
-    stream_first_tokens,
     tp_rank,
 )
 from pd_connector.vllm.config import PDConnectorConfig
@@ -76,8 +75,7 @@ class PDConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._load_error_blocks: set[int] = set()  # worker: failed loads learnt through get_finished
         if role == KVConnectorRole.SCHEDULER:
-            fail_loads_on_request()  # a seeded load that ended without a usable token: see loads_to_fail
-            stream_first_tokens()  # P's token at the front of D's first output: see streamed_first_tokens
+            hook_step_output()  # loads_to_fail and streamed_first_tokens act on each step's output
             schedule_ended_loads_at_once()  # a load that ended is scheduled without vLLM's idle pause
             self._scheduler = SchedulerSide(
                 block_size,
@@ -206,15 +204,15 @@ class PDConnector(KVConnectorBase_V1):
         )
 
     def loads_to_fail(self, connector_output: KVConnectorOutput) -> set[str]:
-        """Asked by ``compat.fail_loads_on_request``'s hook (EngineCore), each step before vLLM handles the
+        """Asked by ``compat.hook_step_output``'s hook (EngineCore), each step before vLLM handles the
         step's output: the requests to end with an error rather than go on unseeded (``SchedulerSide.loads_to_fail``)."""
         ended = set(connector_output.finished_recving or ()) | set(connector_output.failed_recving or ())
         return self._sched.loads_to_fail(ended, _first_tokens(connector_output))
 
     @property
     def streamed_first_tokens(self) -> dict[str, StreamedFirstToken]:
-        """Read by ``compat.stream_first_tokens``'s hook (EngineCore) after vLLM built each step's outputs:
-        the seeded requests whose first output is to carry P's token (``SchedulerSide``'s)."""
+        """Read by ``compat.hook_step_output``'s hook (EngineCore) after vLLM built each step's outputs:
+        the seeded requests whose stream is to carry P's token (``SchedulerSide``'s)."""
         return self._sched.streamed_first_tokens
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

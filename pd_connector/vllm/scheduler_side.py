@@ -28,7 +28,7 @@ or a load whose token is outside the vocabulary, from a faulty P) ends its reque
 (``loads_to_fail``), whatever the engine's ``kv_load_failure_policy``, since going on unseeded would repeat
 the token the client already has. A seeded request that also asks ``pd_stream_first_token`` (pd-router's
 pd-push flow) has D's own stream carry P's token first (``compat.first_token_output``, kept in
-``streamed_first_tokens`` until ``compat.stream_first_tokens`` adds it to the step's outputs as the
+``streamed_first_tokens`` until ``compat.hook_step_output`` adds it to the step's outputs as the
 request's first), so the client need not wait for P's answer.
 
 P pushes every token D may ask for, from token 0 of the prompt: P's own prefix-cache hit is part of P's block
@@ -136,7 +136,7 @@ class SchedulerSide:
         # D: loading requests that continue from P's first token once it arrives, by request id.
         self._seeding: dict[str, Request] = {}
         # D: seeded requests whose stream is to carry P's token, by request id: filled while vLLM handles a
-        # step's transfer output, emptied by ``compat.stream_first_tokens`` as that step's outputs are built.
+        # step's transfer output, emptied by ``compat.hook_step_output`` as that step's outputs are built.
         self.streamed_first_tokens: dict[str, StreamedFirstToken] = {}
         self._pending_recvs: list[RecvSpec] = []
         self._pending_finished: list[FinishedSend] = []
@@ -326,7 +326,7 @@ class SchedulerSide:
         seeded requests among the loads that ended this step (``ended``: done or failed) that no usable token
         can seed. The client already has P's token, so going on without it (recomputing, or decoding after a
         load that landed) would make D sample a first token of its own and the stream would repeat it; they
-        end with an error instead (``compat.fail_loads_on_request``), under any ``kv_load_failure_policy``."""
+        end with an error instead (``compat.hook_step_output``), under any ``kv_load_failure_policy``."""
         doomed = {r for r in ended if r in self._seeding and self._seed_token(r, first_tokens) is None}
         for req_id in doomed:
             del self._seeding[req_id]

@@ -2,8 +2,9 @@
 
 The fake engines speak the protocol (``test_support.fake_vllm``): P answers its one token, and a D asked with
 ``pd_seed_first_token`` whose P took the leg streams the tokens after P's, as a seeded PDConnector D does, or
-every token, P's first, when also asked ``pd_stream_first_token`` (pd-push without logprobs). Requests that
-ask logprobs (``_LOGPROBS``) take the path where P's answer is the client's first token.
+every token, P's first, when also asked ``pd_stream_first_token`` (pd-push without logprobs: the router then
+takes whichever of the two comes first). Requests that ask logprobs (``_stream_body(..., logprobs=True)``)
+take the path where P's answer alone brings the client's first token.
 The real engines' side (D continuing from P's token, sampled requests) is proven in
 integration_tests/pd_connector/test_through_router.py.
 """
@@ -46,8 +47,9 @@ async def test_first_token_is_prefills_and_decode_continues_after_it(
     make_cluster, flow: str, logprobs: bool, path: str
 ) -> None:
     """P's token first, then D's, one stream (one id, one role chunk, usage of all). In pd-push without
-    logprobs D's own stream carries P's token; otherwise (logprobs asked, or vllm-standard, where P's answer
-    is in hand before D is asked) P's answer becomes the first events."""
+    logprobs D's own stream carries P's token too (here P's answer, in hand before the fake D's stream
+    opens, comes first); otherwise (logprobs asked, or vllm-standard, where P's answer is in hand before D
+    is asked) P's answer alone brings it."""
     c = await make_cluster(n_prefill=1, n_decode=1, flow=flow)
     body = _stream_body(path, logprobs, stream_options={"include_usage": True})
     r = await c.router.post(path, json=body)
@@ -137,7 +139,7 @@ async def test_client_token_ids_are_the_streams(make_cluster, logprobs: bool) ->
 async def test_one_token_request_ends_with_prefills_token(make_cluster, first: str) -> None:
     """The client asked one token. P's answer first: it is the whole stream, and D's leg is closed (vLLM
     aborts it). D's stream first (it carries P's token too): it ends after that token (a PDConnector D ends
-    the request there: ``compat.stream_first_tokens``), and P's leg is closed."""
+    the request there: ``compat.hook_step_output``), and P's leg is closed."""
     c = await make_cluster(n_prefill=1, n_decode=1)
     if first == "prefill":
         c.decode[0].token_delay_s = 0.5  # D still computing when P's answer ends the stream

@@ -16,11 +16,11 @@ Who calls what:
 - ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
   carries), ``seed_first_token`` and ``first_token_output`` (D, when a seeded load finished: P's token
   becomes its first output, and whether and how D's stream carries it); ``PDConnector.__init__`` in
-  EngineCore: ``fail_loads_on_request`` (a seeded load that ended, done or failed, without a usable token
-  from P ends its request with an error under any ``kv_load_failure_policy``, through the scheduler's
-  per-step error set), ``stream_first_tokens`` (P's token at the front of a seeded request's first output)
-  and ``schedule_ended_loads_at_once`` (no idle pause between the step that reports a load ended and the
-  one that schedules its request).
+  EngineCore: ``hook_step_output`` (a seeded load that ended, done or failed, without a usable token from P
+  ends its request with an error under any ``kv_load_failure_policy``, through the scheduler's per-step
+  error set; and an output of P's token for a seeded request in the step that reported its load ended) and
+  ``schedule_ended_loads_at_once`` (no idle pause between the step that reports a load ended and the one
+  that schedules its request).
 - ``pd_disagg.vllm_launcher`` (CLI ``pd-vllm``): ``install_version_shim``, then
   ``require("pd-vllm", LAUNCHER_SYMBOLS)``.
 
@@ -44,14 +44,13 @@ from pd_connector.vllm.compat.engine import (
     BusyPoll,
     FirstTokenEnd,
     StreamedFirstToken,
-    fail_loads_on_request,
     first_output_token,
     first_token_output,
+    hook_step_output,
     limit_busy_poll,
     register_connector,
     schedule_ended_loads_at_once,
     seed_first_token,
-    stream_first_tokens,
 )
 from pd_connector.vllm.compat.kv_cache import TPRank, check_kv_cache, kv_cache_problem, kv_layout, tp_rank
 from pd_connector.vllm.compat.scheduler import (
@@ -117,9 +116,9 @@ __all__ = [
     "chunked_prefill_enabled",
     "computed_tokens",
     "extra_args",
-    "fail_loads_on_request",
     "first_output_token",
     "first_token_output",
+    "hook_step_output",
     "install_version_shim",
     "is_decode",
     "is_remote_kv",
@@ -139,7 +138,6 @@ __all__ = [
     "seed_first_token",
     "set_running_order",
     "set_token_budget",
-    "stream_first_tokens",
     "token_budget",
     "tp_rank",
     "unsupported_reason",

@@ -4,7 +4,7 @@ ended load without the idle pause.
 
 Part of ``pd_connector.vllm.compat``. ``plugin.register`` (every vLLM process) calls ``register_connector``;
 ``PDConnector.__init__`` (EngineCore and workers) calls ``limit_busy_poll``, and in EngineCore
-``fail_loads_on_request``, ``stream_first_tokens`` and ``schedule_ended_loads_at_once``; ``SchedulerSide``
+``hook_step_output`` and ``schedule_ended_loads_at_once``; ``SchedulerSide``
 (EngineCore) calls ``first_output_token`` on P and ``seed_first_token`` and ``first_token_output`` on D.
 Each writes or reads vLLM state that vLLM does not promise to keep (a private registry, a queue's wait loop,
 a request's token lists and status, the scheduler's per-step error set and step outputs, EngineCore's step
@@ -130,7 +130,7 @@ class FirstTokenEnd:
 
 @dataclass(frozen=True)
 class StreamedFirstToken:
-    """P's token for D's own stream to carry first (``stream_first_tokens``); ``end``: how it ends the
+    """P's token for D's own stream to carry first (``hook_step_output``); ``end``: how it ends the
     request, None when D goes on after it."""
 
     token: int
@@ -144,7 +144,7 @@ def first_token_output(request: Request, max_model_len: int) -> StreamedFirstTok
     vLLM checks stop conditions on the tokens it samples only, so whether P's token itself ends the request
     (the model's EOS, a stop token id, ``max_tokens`` 1, the context full) is checked here with vLLM's own
     ``check_stop``; its changes to the request's status and stop reason are undone, so the request stays as
-    vLLM left it until ``stream_first_tokens`` ends it with the output of P's token.
+    vLLM left it until ``hook_step_output`` ends it with the output of P's token.
     """
     from vllm.v1.core.sched.utils import check_stop
 
@@ -164,93 +164,86 @@ def first_token_output(request: Request, max_model_len: int) -> StreamedFirstTok
         request.status, request.stop_reason = status, reason
 
 
-def stream_first_tokens() -> None:
-    """Let a seeded D's own stream carry P's token first, as soon as D learnt its load ended (EngineCore;
-    idempotent).
+def hook_step_output() -> None:
+    """Let the scheduler's connector act on each step's output beyond the connector API (EngineCore;
+    idempotent): end single requests whose load ended, and output P's token for seeded requests.
 
-    ``seed_first_token`` makes P's token a seeded request's first output token without any output saying
-    so, and D's first step then samples the second. For a request the connector names in
+    Failing a load: vLLM 0.32 applies its failure policy to every failed load of an engine alike:
+    ``recompute`` prefills the prompt locally, ``fail`` ends the request with an error. A seeded request
+    (first-token seeding) whose load failed before P's token arrived can do neither right under
+    ``recompute``: the client already has P's token, and D would sample a first token of its own after the
+    prompt, repeating it (so would a load that landed but brought no usable token). So each step, before vLLM
+    handles its output, the connector is asked for ``loads_to_fail(kv_connector_output)``; the requests it
+    names join the scheduler's per-step error set (the one grammar-compile failures use), and vLLM ends them
+    in that same step with its generation error (the client gets an error, D frees the blocks once the failed
+    load is reported, as for ``fail``).
+
+    Outputting P's token: ``seed_first_token`` makes P's token a seeded request's first output token without
+    any output saying so, and D's first step then samples the second. For a request the connector names in
     ``streamed_first_tokens`` (``{request id: StreamedFirstToken}``, filled while vLLM handles the step's
     transfer output, emptied here), an output with P's token alone is added to the very step whose output
     reported the load ended, before the request's first step runs: D's API server detokenizes, counts and
-    streams it like any token, and the client (through pd-router, ``pd_stream_first_token``) gets it without
-    waiting for D's step or for P's answer to come back through P's front end. When P's token ends the
-    request, that output carries its finish reason, and the request is finished there with vLLM's
-    ``finish_requests`` (as an abort of a request whose load ended: its blocks are freed at once). Wraps
-    ``Scheduler.update_from_output`` after vLLM built the step's outputs; patched on the class because the
-    scheduler exists before the connector.
+    streams it like any token, and the client (through pd-router, ``pd_stream_first_token``) can get it
+    without waiting for D's step or for P's answer to come back through P's front end. When P's token ends
+    the request, that output carries its finish reason, and the request is finished there with vLLM's
+    ``finish_requests`` (as an abort of a request whose load ended: its blocks are freed at once).
+
+    Wraps ``Scheduler.update_from_output``; patched on the class because the scheduler exists before the
+    connector. A connector without ``loads_to_fail`` or ``streamed_first_tokens`` changes nothing.
     """
-    require("PDConnector", STREAM_SYMBOLS)
+    require("PDConnector", FAIL_LOAD_SYMBOLS + STREAM_SYMBOLS)
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.update_from_output, "__pd_step_output__", False):
+        return
+    original = Scheduler.update_from_output
+
+    @functools.wraps(original)
+    def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any) -> Any:
+        _fail_named_loads(self, model_runner_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        _output_first_tokens(self, outputs)
+        return outputs
+
+    update_from_output.__pd_step_output__ = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+
+
+def _fail_named_loads(scheduler: Any, model_runner_output: Any) -> None:
+    """Before vLLM handles a step's output: the loads the connector names join the per-step error set."""
+    ask = getattr(scheduler.connector, "loads_to_fail", None)
+    kv_output = getattr(model_runner_output, "kv_connector_output", None)
+    if ask is None or kv_output is None:
+        return
+    doomed = ask(kv_output)
+    errors = getattr(scheduler, "grammar_compile_error_reqs", None)
+    if doomed and isinstance(errors, set):
+        errors.update(doomed)
+    elif doomed:
+        logger.warning("PDConnector: this vLLM has no per-step error set; %s recompute", sorted(doomed))
+
+
+def _output_first_tokens(scheduler: Any, outputs: dict[int, Any]) -> None:
+    """After vLLM built a step's outputs: an output of P's token for each request the connector names."""
+    pending: dict[str, StreamedFirstToken] | None = getattr(
+        scheduler.connector, "streamed_first_tokens", None
+    )
+    if not pending:
+        return
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
 
-    if getattr(Scheduler.update_from_output, "__pd_stream_first__", False):
-        return
-    original = Scheduler.update_from_output
-
-    @functools.wraps(original)
-    def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any) -> Any:
-        outputs = original(self, scheduler_output, model_runner_output)
-        pending: dict[str, StreamedFirstToken] | None = getattr(self.connector, "streamed_first_tokens", None)
-        if not pending:
-            return outputs
-        for req_id, first in pending.items():
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            out = EngineCoreOutput(request_id=req_id, new_token_ids=[first.token])
-            if first.end is not None:
-                out.finish_reason = RequestStatus.get_finished_reason(first.end.status)
-                out.stop_reason = first.end.stop_reason
-                self.finish_requests(req_id, first.end.status)
-            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(out)
-        pending.clear()
-        return outputs
-
-    update_from_output.__pd_stream_first__ = True  # type: ignore[attr-defined]
-    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
-
-
-def fail_loads_on_request() -> None:
-    """Let a connector end single requests whose load ended with an error, whatever the engine's
-    ``kv_load_failure_policy`` (EngineCore; idempotent).
-
-    vLLM 0.32 applies its failure policy to every failed load of an engine alike: ``recompute`` prefills the
-    prompt locally, ``fail`` ends the request with an error. A seeded request (first-token seeding) whose load
-    failed before P's token arrived can do neither right under ``recompute``: the client already has P's
-    token, and D would sample a first token of its own after the prompt, repeating it (so would a load that
-    landed but brought no usable token). So each step, before vLLM handles its output, the scheduler's
-    connector is asked for ``loads_to_fail(kv_connector_output)``;
-    the requests it names join the scheduler's per-step error set (the one grammar-compile failures use), and
-    vLLM ends them in that same step with its generation error (the client gets an error, D frees the blocks
-    once the failed load is reported, as for ``fail``). Patched on the class because the scheduler exists
-    before the connector; a connector without the method changes nothing.
-    """
-    require("PDConnector", FAIL_LOAD_SYMBOLS)
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    if getattr(Scheduler.update_from_output, "__pd_fail_loads__", False):
-        return
-    original = Scheduler.update_from_output
-
-    @functools.wraps(original)
-    def update_from_output(self: Scheduler, scheduler_output: Any, model_runner_output: Any) -> Any:
-        ask = getattr(self.connector, "loads_to_fail", None)
-        kv_output = getattr(model_runner_output, "kv_connector_output", None)
-        if ask is not None and kv_output is not None:
-            doomed = ask(kv_output)
-            errors = getattr(self, "grammar_compile_error_reqs", None)
-            if doomed and isinstance(errors, set):
-                errors.update(doomed)
-            elif doomed:
-                logger.warning(
-                    "PDConnector: this vLLM has no per-step error set; %s recompute", sorted(doomed)
-                )
-        return original(self, scheduler_output, model_runner_output)
-
-    update_from_output.__pd_fail_loads__ = True  # type: ignore[attr-defined]
-    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    for req_id, first in pending.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            continue
+        out = EngineCoreOutput(request_id=req_id, new_token_ids=[first.token])
+        if first.end is not None:
+            out.finish_reason = RequestStatus.get_finished_reason(first.end.status)
+            out.stop_reason = first.end.stop_reason
+            scheduler.finish_requests(req_id, first.end.status)
+        outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(out)
+    pending.clear()
 
 
 def schedule_ended_loads_at_once() -> None:

@@ -74,13 +74,12 @@ SCHEDULER_FIELDS = (
 )
 #: What ``limit_busy_poll`` patches: the reader's wait of the shared-memory queues between EngineCore and workers.
 BUSY_POLL_SYMBOLS = ("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait",)
-#: What ``fail_loads_on_request`` wraps (the scheduler's per-step error set is an instance attribute: checked
-#: on each use).
+#: What ``hook_step_output`` wraps to fail loads (the scheduler's per-step error set is an instance
+#: attribute: checked on each use).
 FAIL_LOAD_SYMBOLS = ("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",)
-#: What ``stream_first_tokens`` wraps, calls and builds, and what ``first_token_output`` reads (the scheduler's
-#: ``requests`` is an instance attribute: read on each use).
+#: What ``hook_step_output`` calls and builds to output P's token, and what ``first_token_output`` reads (the
+#: scheduler's ``requests`` is an instance attribute: read on each use).
 STREAM_SYMBOLS = (
-    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
     "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
     "vllm.v1.engine:EngineCoreOutput",
     "vllm.v1.engine:EngineCoreOutputs",

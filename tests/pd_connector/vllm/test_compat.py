@@ -235,8 +235,8 @@ def test_a_connector_ends_the_loads_it_names_through_the_schedulers_error_set(
         return "outputs"
 
     monkeypatch.setattr(Scheduler, "update_from_output", original)
-    compat.fail_loads_on_request()
-    compat.fail_loads_on_request()  # EngineCore builds the connector once per engine: idempotent
+    compat.hook_step_output()
+    compat.hook_step_output()  # EngineCore builds the connector once per engine: idempotent
     wrapped = Scheduler.update_from_output
     kv_output = SimpleNamespace(failed_recving={"r1", "r2"})
     asked: list[Any] = []
@@ -275,8 +275,8 @@ def test_a_streamed_first_token_is_output_in_the_step_its_load_ended_and_ends_it
         return steps.popleft()
 
     monkeypatch.setattr(Scheduler, "update_from_output", original)
-    compat.stream_first_tokens()
-    compat.stream_first_tokens()  # EngineCore builds the connector once per engine: idempotent
+    compat.hook_step_output()
+    compat.hook_step_output()  # EngineCore builds the connector once per engine: idempotent
     wrapped = Scheduler.update_from_output
     ended = compat.FirstTokenEnd(RequestStatus.FINISHED_STOPPED, 7)
     pending = {

@@ -73,7 +73,7 @@ STREAMED = {**decode_params(), "pd_seed_first_token": True, "pd_stream_first_tok
 
 def test_a_streamed_seed_is_handed_to_the_output_hook() -> None:
     """``pd_stream_first_token``: once seeded, P's token waits in ``streamed_first_tokens`` for
-    ``compat.stream_first_tokens`` to output it in the same step (a token that does not end the request:
+    ``compat.hook_step_output`` to output it in the same step (a token that does not end the request:
     ``end`` None); the request is otherwise as seeding left it."""
     side, _ = make_side()
     req = _loaded(side, STREAMED)
