@@ -194,7 +194,7 @@ def test_seeded_decode_answers_prefills_token_and_ends_there_when_it_stops_the_r
     with P's token, then continues as a colocated request does. When P's token is itself a stop token, or
     the client asked for one token, D ends the request with it (vLLM checks stops on sampled tokens only, so
     PDConnector checks P's) with vLLM's finish reason, and holds no blocks after. The transfer happened."""
-    prompt = tokens(CHUNK, seed=7300 + len(ending))
+    prompt = tokens(CHUNK, seed=7700 + len(ending))  # no other test of the package uses 7700-7714
     reference = pd.reference(prompt)
     extra = {"stop_token_ids": [reference[0]]} if ending == "stop_token_ids" else {}
     if ending == "max_tokens":
