@@ -36,6 +36,9 @@ class Worker:
     circuit: CircuitBreaker
     healthy: bool = True
     health_streak: int = 0
+    # Times the health checker brought it back: a retry may return to a worker that failed its request once
+    # this has grown since (``proxy``).
+    recoveries: int = 0
     draining: bool = False
     active: int = 0
     outstanding_tokens: int = 0

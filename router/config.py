@@ -97,6 +97,10 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     decode_headroom_fraction: float = 0.5
     # How long a request may wait for a decode slot before it is refused with 429.
     queue_timeout_s: float = 30.0
+    # How long a request may wait for a worker of a pool it needs to come back when none is usable (all
+    # unhealthy, their circuits open, draining, or failed by this request) before it is refused with 503;
+    # 0 refuses at once.
+    unavailable_wait_s: float = 10.0
 
 
 class KvRoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -251,6 +255,8 @@ def _check(cfg: RouterConfig) -> None:
         errors.append("server.shutdown_timeout_s: must be >= 0")
     if cfg.policy.threshold_tokens < 0:
         errors.append("policy.threshold_tokens: must be >= 0")
+    if cfg.policy.unavailable_wait_s < 0:
+        errors.append("policy.unavailable_wait_s: must be >= 0")
     if cfg.kv_routing.load_tokens < 0:
         errors.append("kv_routing.load_tokens: must be >= 0")
     if not 0.0 <= cfg.policy.decode_headroom_fraction <= 1.0:

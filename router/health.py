@@ -75,6 +75,7 @@ class HealthTarget(Protocol):
 
     healthy: bool
     health_streak: int  # > 0: consecutive successes, < 0: consecutive failures
+    recoveries: int  # how often the checker brought it back after taking it out
 
 
 def apply_check(target: HealthTarget, ok: bool, cfg: HealthConfig) -> bool:
@@ -83,6 +84,7 @@ def apply_check(target: HealthTarget, ok: bool, cfg: HealthConfig) -> bool:
         target.health_streak = max(target.health_streak, 0) + 1
         if not target.healthy and target.health_streak >= cfg.healthy_after:
             target.healthy = True
+            target.recoveries += 1
             return True
     else:
         target.health_streak = min(target.health_streak, 0) - 1

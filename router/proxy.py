@@ -7,9 +7,10 @@ events to the client, ``resume.py`` continues a stream whose decode worker broke
 
 - Admission: more than ``server.max_pending`` requests in the router -> 429 with Retry-After. Every decode
   worker saturated -> the request waits for a slot up to ``policy.queue_timeout_s``, then 429; no usable
-  decode worker -> 503.
+  decode worker -> it waits for one to come back up to ``policy.unavailable_wait_s``, then 503 (so do
+  retries and resumes that find none: ``comeback.py``).
 - sglang-bootstrap has no route to D alone, since SGLang's decode servers cannot prefill
-  (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> 503, every P
+  (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> wait, then 503, every P
   saturated -> wait, then 429), requests of several sequences get 400, and resumes go P->D too.
 - KV-aware routing (``[kv_routing]``): the decode worker is placed first, by its cached prefix of the prompt
   against its load (``Balancer.place_decode``), and the policy decides on the tokens it does not hold; the
@@ -33,6 +34,7 @@ import random
 import time
 
 from router.balancer import Balancer, Placement, Worker
+from router.comeback import Choice, Comeback, choose
 from router.config import RouterConfig
 from router.downstream import Downstream, Reply, json_reply
 from router.errors import ApiError, bad_request, overloaded
@@ -124,9 +126,16 @@ class Proxy:
             self.pending -= 1
 
     async def _decide(self, parsed: Parsed, path: str, hashes: list[int]) -> tuple[Decision, Placement]:
-        """The policy's route and the decode worker placed for it (its first attempt's); while the policy says
-        WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); REJECT is a 503."""
-        deadline = time.monotonic() + self.cfg.policy.queue_timeout_s
+        """The policy's route and the decode worker placed for it (its first attempt's). While the policy says
+        WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); while it says REJECT
+        (no usable worker in that pool), wait for one to come back (bounded by unavailable_wait_s, then 503):
+        a worker restarting, or taken out by its health checks for a moment, costs the request time, not an
+        error."""
+        now = time.monotonic()
+        deadlines = {
+            Route.WAIT: now + self.cfg.policy.queue_timeout_s,
+            Route.REJECT: now + self.cfg.policy.unavailable_wait_s,
+        }
         retry_after = self.cfg.server.retry_after_s
         self.metrics.queued.inc()
         try:
@@ -147,12 +156,11 @@ class Proxy:
                 if decision.route is Route.LOCAL or decision.route is Route.DISAGG:
                     return decision, placed
                 role = _POOL_OF[decision.reason]
-                if decision.route is Route.REJECT:
-                    self.metrics.requests_for(path, "rejected", decision.reason).inc()
-                    raise _unavailable(role, retry_after)
-                left = deadline - time.monotonic()
+                left = deadlines[decision.route] - time.monotonic()
                 if left <= 0:
                     self.metrics.requests_for(path, "rejected", decision.reason).inc()
+                    if decision.route is Route.REJECT:
+                        raise _unavailable(role, retry_after)
                     raise overloaded(f"every {role} worker is at capacity", retry_after)
                 # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).
                 with contextlib.suppress(TimeoutError):
@@ -177,30 +185,41 @@ class Proxy:
         hashes: list[int],
     ) -> Reply | None:
         """``placed``: the first attempt's decode worker; ``hashes``: the prompt's block hashes (KV-aware
-        routing; empty when off), by which retries place theirs and the workers that served it are recorded."""
+        routing; empty when off), by which retries place theirs and the workers that served it are recorded.
+        A retry goes to workers that have not failed this request; where a pool it needs has none, it waits
+        for one to come back (``comeback.py``)."""
         failed: set[Worker] = set()
+        comeback = Comeback(self.cfg.policy.unavailable_wait_s, self.metrics.queued)
         last: UpstreamError | None = None
-        missing = "decode"  # which pool ran out of workers, when one did before any attempt
         b = self.balancer
+        wants = route is Route.DISAGG
+
+        def pick(first: Placement | None = None) -> Choice:
+            return choose(
+                b,
+                self.cfg.policy.decode_max_active,
+                failed,
+                wants_prefill=wants,
+                needs_prefill=wants and not self.cfg.decode_prefills(),
+                hashes=hashes,
+                prompt_tokens=parsed.prompt_tokens,
+                placed=first,
+            )
+
         for attempt in range(self.cfg.retry.max_attempts):
             if attempt:
                 self.metrics.retries.labels("decode").inc()
                 await asyncio.sleep(self._backoff(attempt - 1))
-                placed = b.place_decode(
-                    self.cfg.policy.decode_max_active, failed, hashes, parsed.prompt_tokens
-                )
-            decode = placed.worker
-            if decode is None:
-                break
-            prefill = b.pick_prefill(failed, hashes, parsed.prompt_tokens) if route is Route.DISAGG else None
-            if prefill is None and route is Route.DISAGG and not self.cfg.decode_prefills():
-                missing = "prefill"
+            decode, prefill, missing = await comeback.find(b, failed, pick, None if attempt else pick(placed))
+            if decode is None or missing:
                 break
             stamps = Stamps(start) if prefill is not None else None
             ending = "ok"
             try:
                 if parsed.stream:
-                    reply = await self._stream(client, parsed, path, decode, prefill, failed, start, stamps)
+                    reply = await self._stream(
+                        client, parsed, path, decode, prefill, failed, comeback, start, stamps
+                    )
                 else:
                     reply = await self._unary(parsed, path, decode, prefill, failed, stamps)
                 # Recorded once served, not when sent: until then its blocks are being computed, and requests
@@ -220,6 +239,7 @@ class Proxy:
             finally:
                 if stamps is not None:
                     self.tracer.end(stamps, ending)
+                comeback.saw(failed)
         if last is None:
             raise _unavailable(missing, self.cfg.server.retry_after_s)
         if last.status == 429:
@@ -268,10 +288,11 @@ class Proxy:
         decode: Worker,
         prefill: Worker | None,
         failed: set[Worker],
+        comeback: Comeback,
         start: float,
         stamps: Stamps | None,
     ) -> Reply | None:
-        """First attempt of a streamed request; commits to the client after the first upstream event."""
+        """An attempt of a streamed request; commits to the client after the first upstream event."""
         races = prefill is not None and self.legs.decode_streams_first(parsed.body)
         strip = _wants_ids(parsed, decode, races)
         extra = {"return_token_ids": True} if strip else {}
@@ -306,7 +327,7 @@ class Proxy:
                 decode.circuit.record_success()
                 return None
             self.legs.fail(decode, err, failed)
-            await resume(self.legs, stream, parsed, path, err, failed)
+            await resume(self.legs, stream, parsed, path, err, failed, comeback)
             return None
         except ClientGone:
             self.metrics.client_disconnects.inc()

@@ -16,6 +16,7 @@ import logging
 import msgspec
 
 from router.balancer import Worker
+from router.comeback import Choice, Comeback, choose
 from router.downstream import Downstream
 from router.legs import Legs, cancel
 from router.relay import ClientStream, relay, write, write_error
@@ -34,10 +35,19 @@ async def resume(
     path: str,
     err: UpstreamError,
     failed: set[Worker],
+    comeback: Comeback,
 ) -> None:
-    """Continue a broken stream on other decode workers; if impossible, end it with an error event."""
+    """Continue a broken stream on other decode workers (waiting for one to come back where none is usable,
+    ``comeback``: the request's, shared with its attempts); if impossible, end it with an error event."""
     client, state, strip = stream.client, stream.state, stream.strip
     cfg, balancer, metrics = legs.cfg, legs.balancer, legs.metrics
+    alone = cfg.decode_prefills()  # else SGLang's D cannot prefill the continuation itself: it goes P->D
+
+    def pick() -> Choice:
+        return choose(
+            balancer, cfg.policy.decode_max_active, failed, wants_prefill=not alone, needs_prefill=not alone
+        )
+
     for _ in range(cfg.retry.max_resumes if state is not None else 0):
         assert state is not None
         try:
@@ -49,14 +59,10 @@ async def resume(
         if body is None or state.finished:
             await _finish(client, state, parsed)
             return
-        decode = balancer.pick_decode(cfg.policy.decode_max_active, failed)
-        if decode is None:
+        comeback.saw(failed)
+        decode, prefill, missing = await comeback.find(balancer, failed, pick)
+        if decode is None or missing:
             break
-        prefill = None
-        if not cfg.decode_prefills():  # SGLang's D cannot prefill the continuation itself
-            prefill = balancer.pick_prefill(failed)
-            if prefill is None:
-                break
         metrics.resumes.inc()
         seam, leg_path, how = None, path, str(parsed.kind)
         if as_completion(parsed, body):  # a chat continued token-exactly: its events become chat chunks

@@ -105,4 +105,6 @@ def test_health_streaks() -> None:
     assert not apply_check(w, True, cfg) and not w.healthy
     assert not apply_check(w, False, cfg)
     assert not apply_check(w, True, cfg)
+    assert w.recoveries == 0
     assert apply_check(w, True, cfg) and w.healthy
+    assert w.recoveries == 1  # brought back once

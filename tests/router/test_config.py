@@ -58,6 +58,7 @@ def test_example_config_is_valid() -> None:
         (_minimal(decode=[{"url": "http://a:1"}, {"url": "http://a:1"}]), "duplicate"),
         (_minimal(flow="nixl"), "flow"),
         (_minimal(retry={"jitter": 2.0}), "retry.jitter"),
+        (_minimal(policy={"unavailable_wait_s": -1}), "policy.unavailable_wait_s: must be >= 0"),
         (_minimal(server={"keepalive_s": 0}), "server.keepalive_s"),
         (_minimal(server={"shutdown_timeout_s": -1}), "server.shutdown_timeout_s"),
         (_minimal(flow="sglang-bootstrap", prefill=[{"url": "http://p:1"}]), "bootstrap_port"),

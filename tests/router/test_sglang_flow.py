@@ -1,13 +1,14 @@
 """Flow ``sglang-bootstrap``: every request goes P->D, since SGLang's decode servers cannot prefill alone.
 
 No local path (short prompts, no usable P, saturated P, a failed P leg, a resumed stream): without a prefill
-worker the client gets a 503, with every one saturated a 429 after the queue timeout, and a decode worker
-never gets a request without its bootstrap fields.
+worker the client gets a 503 once none came back within ``unavailable_wait_s``, with every one saturated a
+429 after the queue timeout, and a decode worker never gets a request without its bootstrap fields.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -39,13 +40,17 @@ async def test_a_short_prompt_goes_prefill_then_decode(make_cluster, path: str) 
     assert f'pd_router_requests_total{{endpoint="{path}",reason="disagg_only",route="disagg"}} 1.0' in metrics
 
 
-async def test_no_usable_prefill_worker_is_a_503(make_cluster) -> None:
-    c = await make_cluster(n_prefill=1, n_decode=1, flow=FLOW, server__retry_after_s=4)
+async def test_no_usable_prefill_worker_is_a_503_once_none_came_back(make_cluster) -> None:
+    c = await make_cluster(
+        n_prefill=1, n_decode=1, flow=FLOW, server__retry_after_s=4, policy__unavailable_wait_s=0.3
+    )
     r = await c.router.post("/admin/workers/drain", json={"role": "prefill", "url": c.url(c.prefill[0])})
     assert r.status == 200
+    start = time.monotonic()
     r = await c.router.post(
         "/v1/completions", json={"model": MODEL, "prompt": long_prompt(), "max_tokens": 2}
     )
+    assert time.monotonic() - start >= 0.3  # it waited for a P to come back, then gave up
     assert r.status == 503 and r.headers["Retry-After"] == "4"
     assert (await r.json())["error"]["message"] == "no healthy prefill worker is available"
     assert c.decode[0].requests == []
