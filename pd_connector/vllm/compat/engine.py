@@ -109,8 +109,10 @@ def seed_first_token(request: Request, token: int) -> bool:
     ``num_computed_tokens`` is ``L`` and ``num_tokens`` ``L + 1``, so vLLM no longer sets the request back one
     token to recompute the last prompt position. The sampler's per-request generator is fresh on D: its
     first draw samples the second token (what a colocated request whose prompt ends with ``token`` draws).
-    D's API server never sees ``token``: pd-router streams P's copy of it (docs/wire-contract.md). Returns
-    False, changing nothing, for a request without prompt token ids (prompt embeddings).
+    D's API server sees ``token`` only where the request asks D's stream to carry it
+    (``pd_stream_first_token``: ``hook_step_output`` outputs it); otherwise pd-router streams P's copy of it
+    (docs/wire-contract.md). Returns False, changing nothing, for a request without prompt token ids (prompt
+    embeddings).
     """
     prompt = request.prompt_token_ids
     if prompt is None:
