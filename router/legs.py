@@ -30,6 +30,7 @@ from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
 from router.seeding import (
     NotSeedable,
+    answer_may_lead,
     applies,
     decode_streams_first,
     first_events,
@@ -91,12 +92,17 @@ class Legs:
 
     def seeds(self, body: dict[str, Any]) -> bool:
         """Whether a P/D attempt for ``body`` has D continue from P's first token (both vLLM flows)."""
-        return self.cfg.flow != "sglang-bootstrap" and applies(body)
+        return self.cfg.flow != "sglang-bootstrap" and applies(body, self.cfg.flow == "pd-push")
 
     def decode_streams_first(self, body: dict[str, Any]) -> bool:
         """Whether a P/D attempt for ``body`` has D's own stream carry P's first token too (pd-push, seeded,
-        no logprobs): P's answer and D's stream then race to bring it (``opening``)."""
+        no logprobs)."""
         return self.cfg.flow == "pd-push" and self.seeds(body) and decode_streams_first(body)
+
+    def races(self, body: dict[str, Any]) -> bool:
+        """Whether P's answer and D's stream race to bring P's token to the client (``opening``): where D's
+        stream carries it, but for stop strings (``seeding.answer_may_lead``), where D's stream alone does."""
+        return self.decode_streams_first(body) and answer_may_lead(body)
 
     async def start(
         self,
@@ -216,21 +222,23 @@ class Legs:
         answer = _prefill_answer(p_task)
 
         async def either(resp: Response) -> bytes | None:
-            """P's answer, or None when D's first token events came first. D's stream is open: a P leg
-            that ended before that ended before D's first token event too."""
+            """P's answer, or None when D's first token events came first (or alone count: no race). D's
+            stream is open: a P leg that ended before that ended before D's first token event too."""
             nonlocal d_first
             d_first = asyncio.ensure_future(_first_token_events(worker, stamps)(resp))
-            if not p_task.done():
+            if not races:
+                await d_first
+            elif not p_task.done():
                 await asyncio.wait({p_task, d_first}, return_when=asyncio.FIRST_COMPLETED)
             if d_first.done():
                 d_first.result()  # its failure is this attempt's
                 return None
             return await answer(resp)
 
-        races = self.decode_streams_first(request)
+        streams, races = self.decode_streams_first(request), self.races(request)
         source = f"{worker.url} or its prefill"
         try:
-            resp, data = await self._open(worker, path, body, stamps, source, either if races else answer)
+            resp, data = await self._open(worker, path, body, stamps, source, either if streams else answer)
         except BaseException:
             if d_first is not None:
                 d_first.cancel()

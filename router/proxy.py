@@ -293,7 +293,7 @@ class Proxy:
         stamps: Stamps | None,
     ) -> Reply | None:
         """An attempt of a streamed request; commits to the client after the first upstream event."""
-        races = prefill is not None and self.legs.decode_streams_first(parsed.body)
+        races = prefill is not None and self.legs.races(parsed.body)
         strip = _wants_ids(parsed, decode, races)
         extra = {"return_token_ids": True} if strip else {}
         body, local, p_task = await self.legs.start(

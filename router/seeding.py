@@ -13,8 +13,10 @@ answer into the stream events vLLM would have sent for it, and D's events follow
 first token).
 
 ``applies`` keeps seeding to requests where D's front end, which does not see the first token where only P's
-answer carries it, still gets everything else right: one streamed sequence, no stop strings or penalties or structured output that depend
-on the text or count of the earlier tokens (docs/wire-contract.md lists them); the rest go P->D unseeded.
+answer carries it, still gets everything else right: one streamed sequence, no penalties or structured
+output that depend on the text or count of the earlier tokens (docs/wire-contract.md lists them); the rest
+go P->D unseeded. Stop strings are seeded only where D's stream carries P's token, and then D's stream alone
+brings it (``answer_may_lead``): D's API server checks them on the text, P's token's included.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from router.streaming import DONE, FirstToken
 #: Sampling fields whose effect on D's tokens depends on the earlier tokens' text or count, which D's API
 #: server (detokenizer, stop checker) or model runner (penalties over outputs, min_tokens) would miss.
 _BLOCKING = (
-    "stop",
     "frequency_penalty",
     "presence_penalty",
     "min_tokens",
@@ -53,11 +54,25 @@ class NotSeedable(ValueError):
     """P's answer cannot be streamed as the first token (not vLLM's JSON, no token, an unknown ending)."""
 
 
-def applies(body: dict[str, Any]) -> bool:
-    """Whether a P/D request (the client's body) is served with D continuing from P's first token."""
+#: Sampling fields that D's API server applies to the text, P's token's included: seeded only where D's own
+#: stream carries P's token, and then D's stream alone brings it (``answer_may_lead``). A stop string that
+#: starts in P's token's text makes D's API server hold that text back, or cut it and end the stream; P's
+#: answer, which D's API server never sees, would have sent it.
+_D_STREAM_ONLY = ("stop",)
+
+
+def _asked(body: dict[str, Any], fields: tuple[str, ...]) -> bool:
+    return any(body.get(field) not in (None, False, 0, [], "") for field in fields)
+
+
+def applies(body: dict[str, Any], d_streams: bool) -> bool:
+    """Whether a P/D request (the client's body) is served with D continuing from P's first token;
+    ``d_streams``: whether the flow can have D's own stream carry that token (pd-push)."""
     if body.get("stream") is not True or body.get("n", 1) != 1:
         return False
-    if any(body.get(field) not in (None, False, 0, [], "") for field in _BLOCKING):
+    if _asked(body, _BLOCKING):
+        return False
+    if _asked(body, _D_STREAM_ONLY) and not (d_streams and decode_streams_first(body)):
         return False
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -71,6 +86,12 @@ def decode_streams_first(body: dict[str, Any]) -> bool:
     logprobs are asked (P's answer alone has the token's; a seeded D streams it only without them)."""
     logprobs = body.get("logprobs")
     return logprobs is None or logprobs is False
+
+
+def answer_may_lead(body: dict[str, Any]) -> bool:
+    """Whether, where D's stream carries P's token, P's answer races it to be the client's first token: not
+    for a request with a field of ``_D_STREAM_ONLY``, whose text D's API server alone gets right."""
+    return not _asked(body, _D_STREAM_ONLY)
 
 
 def _answer(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -184,6 +184,42 @@ def test_decode_streams_prefills_sampled_first_token_itself(pd: Cluster, router:
     assert len({c["id"] for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("where", ["later", "in_first_token"])
+def test_stop_strings_are_seeded_and_cut_by_decodes_api_server(pd: Cluster, router: str, where: str) -> None:
+    """A sampled stream with a stop string through pd-router, P->D: seeded, with D's stream alone bringing P's
+    token (D's API server checks stop strings on the text, P's token's included; P's answer does not race
+    it). The stream is the sequence seeding gives (P's token, then what prompt + P's token continues with,
+    same seed: an unseeded D would sample a second token of its own) cut where the stop string first occurs,
+    finish_reason "stop": later in the text, or inside P's token (then no text at all). The transfer
+    happened (exact bytes, one load, nothing failed or recomputed). Prompt of one prefill step (see
+    ``test_router_seeds_decode_with_prefills_sampled_first_token``)."""
+    prompt = tokens(CHUNK, seed=7720 if where == "later" else 7721)  # no other test uses 7720-7721
+    sampling = {"temperature": 0.8, "top_p": 0.95, "seed": 2468}
+    alone = pd_client.post_json(pd.p_url + "/v1/completions", body(prompt, 1, **sampling))
+    p_token, head = token_ids(alone)[0], alone["choices"][0]["text"]
+    after = pd_client.post_json(
+        pd.p_url + "/v1/completions", body([*prompt, p_token], MAX_TOKENS - 1, **sampling)
+    )
+    tail = after["choices"][0]["text"]
+    stop = head if where == "in_first_token" else tail[2:5]
+    assert stop.strip() and stop in head + tail, (head, tail)
+    expected = (head + tail)[: (head + tail).index(stop)]
+    transfers = pd.transfers()
+    chunks = _disaggregated_stream_with_usage(
+        router, "/v1/completions", body(prompt, **sampling, stop=[stop])
+    )
+    transfers.check(1, blocks=blocks_to_load(len(prompt)))
+    choices = [choice for c in chunks for choice in c["choices"]]
+    assert "".join(choice["text"] for choice in choices) == expected
+    assert choices[-1]["finish_reason"] == "stop"
+    streamed = [t for choice in choices for t in choice.get("token_ids") or []]
+    if where == "later":
+        assert streamed[0] == p_token and streamed[1:] == token_ids(after)[: len(streamed) - 1], (
+            "D continued from P's token"
+        )
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt)
+
+
 @pytest.mark.parametrize(
     ("ending", "finish"), [("stop_token_ids", "stop"), ("max_tokens", "length"), ("", "length")]
 )

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.seeding import NotSeedable, applies, first_events
+from router.seeding import NotSeedable, answer_may_lead, applies, first_events
 from test_support.fake_vllm import generate
 from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, long_prompt
@@ -207,32 +207,61 @@ async def test_a_decode_that_lost_prefills_token_is_resumed_after_it(
 
 
 @pytest.mark.parametrize(
-    "extra",
+    ("flow", "extra"),
     [
-        {"stop": [" w70"]},
-        {"frequency_penalty": 0.5},
-        {"min_tokens": 2},
-        {"response_format": {"type": "json_object"}},
+        ("pd-push", {"frequency_penalty": 0.5}),
+        ("pd-push", {"min_tokens": 2}),
+        ("pd-push", {"response_format": {"type": "json_object"}}),
+        ("pd-push", {"stop": [" w70"], "logprobs": 1}),  # P's answer alone would carry the token
+        ("vllm-standard", {"stop": [" w70"]}),  # D's API server never sees P's token in this flow
     ],
 )
-async def test_requests_seeding_would_change_are_not_seeded(make_cluster, extra: dict[str, Any]) -> None:
-    c = await make_cluster(n_prefill=1, n_decode=1)
+async def test_requests_seeding_would_change_are_not_seeded(
+    make_cluster, flow: str, extra: dict[str, Any]
+) -> None:
+    c = await make_cluster(n_prefill=1, n_decode=1, flow=flow)
     r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", **extra))
     assert r.status == 200 and text_of(await r.read()) == _expected("/v1/completions", 4)
     (d,) = c.decode[0].requests
     assert "pd_seed_first_token" not in d["kv_transfer_params"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_stream_with_stop_strings_is_seeded_with_decodes_stream_alone_bringing_the_first_token(
+    make_cluster, path: str
+) -> None:
+    """Stop strings: D's API server checks them on the text, P's token's included, so D's stream alone brings
+    the first token even when P's answer is in the router's hands first (D's first token comes 0.2 s
+    later): no race, nothing cut, D's stream relayed as it is."""
+    c = await make_cluster(n_prefill=1, n_decode=1)
+    c.decode[0].token_delay_s = 0.2
+    body = _stream_body(path, stop=[" nowhere"], stream_options={"include_usage": True})
+    r = await c.router.post(path, json=body)
+    raw = await r.read()
+    assert r.status == 200 and text_of(raw) == _expected(path, 4) and payloads(raw)[-1] == "[DONE]"
+    (d,) = c.decode[0].requests
+    assert d["kv_transfer_params"]["pd_seed_first_token"] is True
+    assert d["kv_transfer_params"]["pd_stream_first_token"] is True
+    metrics = await (await c.router.get("/metrics")).text()
+    assert 'pd_router_stage_seconds_count{stage="client_first_byte->decode_continued"}' not in metrics
+
+
 def test_applies_only_to_streams_d_can_continue() -> None:
-    assert applies({"stream": True, "temperature": 0.7, "seed": 3, "logprobs": 2, "stop": []})
-    assert applies(
-        {"stream": True, "response_format": {"type": "text"}, "stream_options": {"include_usage": True}}
-    )
-    assert not applies({"stream": False})
-    assert not applies({"stream": True, "n": 2})
-    assert not applies({"stream": True, "stop": "x"})
-    assert not applies({"stream": True, "tools": [{"type": "function"}]})
-    assert not applies({"stream": True, "stream_options": {"continuous_usage_stats": True}})
+    for d_streams in (True, False):
+        assert applies({"stream": True, "temperature": 0.7, "seed": 3, "logprobs": 2, "stop": []}, d_streams)
+        assert applies(
+            {"stream": True, "response_format": {"type": "text"}, "stream_options": {"include_usage": True}},
+            d_streams,
+        )
+        assert not applies({"stream": False}, d_streams)
+        assert not applies({"stream": True, "n": 2}, d_streams)
+        assert not applies({"stream": True, "tools": [{"type": "function"}]}, d_streams)
+        assert not applies({"stream": True, "stream_options": {"continuous_usage_stats": True}}, d_streams)
+    # stop strings: only where D's stream carries P's token, which it does not when logprobs are asked
+    assert applies({"stream": True, "stop": "x"}, d_streams=True)
+    assert not applies({"stream": True, "stop": "x"}, d_streams=False)
+    assert not applies({"stream": True, "stop": "x", "logprobs": 1}, d_streams=True)
+    assert not answer_may_lead({"stop": ["x"]}) and answer_may_lead({"stop": []}) and answer_may_lead({})
 
 
 def test_first_events_end_the_stream_on_a_stop_token_and_refuse_what_is_not_an_answer() -> None:
