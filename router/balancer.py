@@ -36,8 +36,8 @@ class Worker:
     circuit: CircuitBreaker
     healthy: bool = True
     health_streak: int = 0
-    # Times the health checker brought it back: a retry may return to a worker that failed its request once
-    # this has grown since (``proxy``).
+    # Times the health checker brought it back: a request may return to a worker that failed it once this
+    # has grown since (``comeback.py``).
     recoveries: int = 0
     draining: bool = False
     active: int = 0

@@ -3,9 +3,9 @@
 A worker restarting, stopped for a moment, or taken out by its health checks (``health.py``) leaves its pool
 without a usable worker for a few seconds. A request that finds none then waits for one to come back, up to
 ``policy.unavailable_wait_s`` in all, instead of failing at once: the blip costs it time, not an error. One
-``Comeback`` per request, in the router process, shared by its attempts (``proxy.Proxy._attempts``) and the
-resumes of its stream (``resume.py``); the policy's own REJECT, before any attempt, waits in
-``Proxy._decide`` with the same bound.
+``Comeback`` per request, in the router process, shared by the policy's REJECT before any attempt
+(``proxy.Proxy._decide``), its attempts (``Proxy._attempts``) and the resumes of its stream (``resume.py``):
+the bound holds for the request as a whole.
 
 A request goes to workers that have not failed it. One that failed it counts again once its health checks
 took it out and brought it back (``Worker.recoveries`` grew since). When every worker of the pool failed the
@@ -65,6 +65,13 @@ class Comeback:
         self._until: float | None = None  # set when the request first finds a pool without a worker for it
         self._failed_at: dict[Worker, int] = {}  # each failed worker's ``recoveries`` when it failed
 
+    def until(self) -> float:
+        """When the request stops waiting (``time.monotonic``): ``unavailable_wait_s`` after it first found a
+        pool without a worker for it, which is now if it had not."""
+        if self._until is None:
+            self._until = time.monotonic() + self._wait_s
+        return self._until
+
     def saw(self, failed: set[Worker]) -> None:
         """After an attempt or a resume: note when each worker that failed the request did."""
         for w in failed:
@@ -83,15 +90,14 @@ class Comeback:
     async def _back(self, pool: Pool, failed: set[Worker]) -> bool:
         """Wait until ``pool`` may have a worker for the request again (True), or the request's wait is over
         (False). Workers that failed it and have since come back are taken off ``failed``."""
-        if self._until is None:
-            self._until = time.monotonic() + self._wait_s
+        until = self.until()
         returned = [w for w in failed if w.recoveries != self._failed_at.get(w, w.recoveries)]
         for w in returned:
             failed.discard(w)
             del self._failed_at[w]
         if returned:
             return True
-        left = self._until - time.monotonic()
+        left = until - time.monotonic()
         if left <= 0 or (pool.workers and all(w in failed and w.healthy for w in pool.workers)):
             return False
         # Woken when a leg ends or a worker changes; re-check at least every 0.5 s (circuit timers).

@@ -203,17 +203,17 @@ class Legs:
 
         Unseeded (``request``, the client's body, not ``seeds``): D's first event (``first_event``).
         Seeded with D's stream carrying P's token too (``decode_streams_first``), whichever comes first is the
-        client's first token: D's events up to its first past a chat's role chunk (relayed as they are; an
-        error there, D having ended the request because P's token never reached it, fails the attempt as
-        P's, ``PrefillFailed``), or P's answer, as below, with ``first`` the task that reads D's first token
-        events (the relay awaits it once ``lead`` went out) and a ``stitcher`` that cuts P's token out of
-        them. Otherwise seeded: D's stream is opened and, once P's leg answered, ``lead`` holds P's first
-        token as stream events (ending the stream when that token finished the request) and ``stitcher``
-        makes D's events read as their continuation; ``state`` (when the stream is resumable) has recorded
-        the token. A P leg that failed before the client's first token, or answered what cannot be
-        streamed, fails the attempt as P's fault (``PrefillFailed``): whether D got P's token is unknown
-        then, so the attempt is retried (nothing reached the client yet) rather than relayed, on another P
-        or on D alone.
+        client's first token (with stop strings D's alone counts, ``races``): D's events up to its first past
+        a chat's role chunk (relayed as they are; an error there, D having ended the request because P's
+        token never reached it, fails the attempt as P's, ``PrefillFailed``), or P's answer, as below, with
+        ``first`` the task that reads D's first token events (the relay awaits it once ``lead`` went out) and
+        a ``stitcher`` that cuts P's token out of them. Otherwise seeded: D's stream is opened and, once P's
+        leg answered, ``lead`` holds P's first token as stream events (ending the stream when that token
+        finished the request) and ``stitcher`` makes D's events read as their continuation; ``state`` (when
+        the stream is resumable) has recorded the token. A P leg that failed before the client's first
+        token, or answered what cannot be streamed, fails the attempt as P's fault (``PrefillFailed``):
+        whether D got P's token is unknown then, so the attempt is retried (nothing reached the client yet)
+        rather than relayed, on another P or on D alone.
         """
         if p_task is None or not self.seeds(request):
             opened, first = await self.first_event(worker, path, body, stamps)

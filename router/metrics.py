@@ -106,8 +106,8 @@ class RouterMetrics:
         )
         self.queued = Gauge(
             "pd_router_waiting",
-            "Requests waiting for a decode slot (sglang-bootstrap: or a prefill slot), or for a worker to come"
-            " back when none of a role they need is usable",
+            "Requests waiting for a decode slot (sglang-bootstrap: or a prefill slot), or for a worker to"
+            " come back when none of a role they need is usable",
             registry=r,
         )
         self.prefix_prompt_tokens = Counter(

@@ -10,8 +10,8 @@ events to the client, ``resume.py`` continues a stream whose decode worker broke
   decode worker -> it waits for one to come back up to ``policy.unavailable_wait_s``, then 503 (so do
   retries and resumes that find none: ``comeback.py``).
 - sglang-bootstrap has no route to D alone, since SGLang's decode servers cannot prefill
-  (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> wait, then 503, every P
-  saturated -> wait, then 429), requests of several sequences get 400, and resumes go P->D too.
+  (``RouterConfig.decode_prefills``): the policy sends every request P->D (no usable P -> wait, then 503;
+  every P saturated -> wait, then 429), requests of several sequences get 400, and resumes go P->D too.
 - KV-aware routing (``[kv_routing]``): the decode worker is placed first, by its cached prefix of the prompt
   against its load (``Balancer.place_decode``), and the policy decides on the tokens it does not hold; the
   prompt is then recorded on the workers it went to.
@@ -102,7 +102,8 @@ class Proxy:
         start = time.monotonic()
         try:
             hashes = self.balancer.hashes(parsed.prompt_ids)
-            decision, placed = await self._decide(parsed, path, hashes)
+            comeback = Comeback(self.cfg.policy.unavailable_wait_s, self.metrics.queued)
+            decision, placed = await self._decide(parsed, path, hashes, comeback)
             self.metrics.requests_for(path, decision.route.value, decision.reason).inc()
             self.metrics.lengths(decision.route.value, parsed.prompt_tokens, parsed.max_tokens)
             if hashes:
@@ -110,7 +111,9 @@ class Proxy:
                     decision.route.value, placed.reason, parsed.prompt_tokens, placed.cached_tokens
                 )
             async with asyncio.timeout(self.cfg.timeouts.request_s):
-                reply = await self._attempts(client, parsed, path, decision.route, start, placed, hashes)
+                reply = await self._attempts(
+                    client, parsed, path, decision.route, start, placed, hashes, comeback
+                )
             self.metrics.e2e_for(decision.route.value).observe(time.monotonic() - start)
             return reply
         except asyncio.CancelledError:  # the server cancels the handler when the client disconnects
@@ -125,17 +128,15 @@ class Proxy:
         finally:
             self.pending -= 1
 
-    async def _decide(self, parsed: Parsed, path: str, hashes: list[int]) -> tuple[Decision, Placement]:
-        """The policy's route and the decode worker placed for it (its first attempt's). While the policy says
-        WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); while it says REJECT
-        (no usable worker in that pool), wait for one to come back (bounded by unavailable_wait_s, then 503):
-        a worker restarting, or taken out by its health checks for a moment, costs the request time, not an
-        error."""
-        now = time.monotonic()
-        deadlines = {
-            Route.WAIT: now + self.cfg.policy.queue_timeout_s,
-            Route.REJECT: now + self.cfg.policy.unavailable_wait_s,
-        }
+    async def _decide(
+        self, parsed: Parsed, path: str, hashes: list[int], comeback: Comeback
+    ) -> tuple[Decision, Placement]:
+        """The policy's route and the decode worker placed for it (its first attempt's). While the policy
+        says WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); while it says
+        REJECT (no usable worker in that pool), wait for one to come back (the request's ``comeback`` bound,
+        unavailable_wait_s, then 503): a worker restarting, or taken out by its health checks for a moment,
+        costs the request time, not an error."""
+        queue_until = time.monotonic() + self.cfg.policy.queue_timeout_s
         retry_after = self.cfg.server.retry_after_s
         self.metrics.queued.inc()
         try:
@@ -156,7 +157,9 @@ class Proxy:
                 if decision.route is Route.LOCAL or decision.route is Route.DISAGG:
                     return decision, placed
                 role = _POOL_OF[decision.reason]
-                left = deadlines[decision.route] - time.monotonic()
+                left = (
+                    comeback.until() if decision.route is Route.REJECT else queue_until
+                ) - time.monotonic()
                 if left <= 0:
                     self.metrics.requests_for(path, "rejected", decision.reason).inc()
                     if decision.route is Route.REJECT:
@@ -183,13 +186,13 @@ class Proxy:
         start: float,
         placed: Placement,
         hashes: list[int],
+        comeback: Comeback,
     ) -> Reply | None:
         """``placed``: the first attempt's decode worker; ``hashes``: the prompt's block hashes (KV-aware
         routing; empty when off), by which retries place theirs and the workers that served it are recorded.
         A retry goes to workers that have not failed this request; where a pool it needs has none, it waits
-        for one to come back (``comeback.py``)."""
+        for one to come back (``comeback``, the request's)."""
         failed: set[Worker] = set()
-        comeback = Comeback(self.cfg.policy.unavailable_wait_s, self.metrics.queued)
         last: UpstreamError | None = None
         b = self.balancer
         wants = route is Route.DISAGG
