@@ -222,14 +222,15 @@ class Legs:
         answer = _prefill_answer(p_task)
 
         async def either(resp: Response) -> bytes | None:
-            """P's answer, or None when D's first token events came first (or alone count: no race). D's
-            stream is open: a P leg that ended before that ended before D's first token event too."""
+            """P's answer, or None when D's first token events came first (or, with no race, came at all).
+            D's stream is open: a P leg that ended before that ended before D's first token event too. A P
+            leg that failed first fails the attempt (``answer``), race or not."""
             nonlocal d_first
             d_first = asyncio.ensure_future(_first_token_events(worker, stamps)(resp))
-            if not races:
-                await d_first
-            elif not p_task.done():
+            if not p_task.done():
                 await asyncio.wait({p_task, d_first}, return_when=asyncio.FIRST_COMPLETED)
+            if not races and not d_first.done() and not _failed(p_task):
+                await d_first  # P answered, but its answer may not lead: D's stream alone brings the token
             if d_first.done():
                 d_first.result()  # its failure is this attempt's
                 return None
@@ -367,6 +368,11 @@ def _prefill_answer(p_task: asyncio.Task[bytes]) -> Callable[[Response], Awaitab
             raise PrefillFailed(e.kind, f"prefill leg failed before its first token: {e}") from None
 
     return answer
+
+
+def _failed(task: asyncio.Task[bytes]) -> bool:
+    """A finished P leg that brought no answer."""
+    return task.cancelled() or task.exception() is not None
 
 
 async def _answered(data: bytes) -> bytes:

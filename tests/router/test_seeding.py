@@ -157,14 +157,15 @@ async def test_one_token_request_ends_with_prefills_token(make_cluster, first: s
     await wait_until_async(lambda: closed.abandoned == 1, 2, "the other leg closed")
 
 
-@pytest.mark.parametrize("logprobs", [False, True])
-async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster, logprobs: bool) -> None:
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 1}, {"stop": [" nowhere"]}])
+async def test_failed_prefill_retries_the_attempt_unseeded(make_cluster, extra: dict[str, Any]) -> None:
     """P's leg fails before D's stream started: whether D got P's token is unknown (or, here, D never gets
-    it), so the attempt is retried (nothing reached the client), here on D alone as no other P is left."""
+    it), so the attempt is retried (nothing reached the client), here on D alone as no other P is left;
+    also where D's stream alone would bring the token (stop strings), without waiting for D's load."""
     c = await make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].die_after_tokens = 0  # P's process dies before answering (after taking the leg)
     c.prefill[0].lose_kv = True  # and before its KV and token reached D
-    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", logprobs))
+    r = await c.router.post("/v1/completions", json=_stream_body("/v1/completions", **extra))
     assert r.status == 200 and text_of(await r.read()) == _expected("/v1/completions", 4)
     first, retry = c.decode[0].requests
     assert first["kv_transfer_params"]["pd_seed_first_token"] is True
