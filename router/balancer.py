@@ -206,7 +206,8 @@ class Balancer:
         prompt_tokens: int = 0,
     ) -> Placement:
         """The decode worker of least ``CacheCost.decode`` among usable workers below ``max_active`` when one
-        of them holds a prefix of the prompt (ties: fewest active, then at random); else ``pick_decode``."""
+        of them holds a prefix of the prompt (ties: fewest active, then at random); else power of two
+        choices on active requests."""
         candidates = [w for w in self.decode.usable() if w not in exclude and w.active < max_active]
         if hashes and len(candidates) > 1:
             cached = [self._cached(w, hashes) for w in candidates]
@@ -221,14 +222,6 @@ class Balancer:
         worker = self._two_choices(candidates)
         held = self._cached(worker, hashes) if worker is not None else 0
         return Placement(worker, held, "prefix" if held else "balance")
-
-    def pick_decode(
-        self, max_active: int, exclude: set[Worker] | frozenset[Worker] = frozenset()
-    ) -> Worker | None:
-        """Power of two choices on active requests among usable workers below ``max_active``."""
-        return self._two_choices(
-            [w for w in self.decode.usable() if w not in exclude and w.active < max_active]
-        )
 
     def _two_choices(self, candidates: list[Worker]) -> Worker | None:
         if len(candidates) <= 1:

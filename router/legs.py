@@ -236,7 +236,8 @@ class Legs:
                 return None
             return await answer(resp)
 
-        streams, races = self.decode_streams_first(request), self.races(request)
+        streams = self.decode_streams_first(request)
+        races = streams and answer_may_lead(request)
         source = f"{worker.url} or its prefill"
         try:
             resp, data = await self._open(worker, path, body, stamps, source, either if streams else answer)

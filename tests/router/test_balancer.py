@@ -36,7 +36,7 @@ def test_decode_power_of_two_never_picks_the_busiest_of_its_pair() -> None:
     b = _balancer(n_d=4)
     for i, w in enumerate(b.decode.workers):
         w.active = i * 10
-    picks = [b.pick_decode(max_active=100) for _ in range(400)]
+    picks = [b.place_decode(max_active=100).worker for _ in range(400)]
     busiest = b.decode.workers[-1]
     assert busiest not in picks
     assert b.decode.workers[0] in picks
@@ -50,8 +50,8 @@ def test_decode_respects_capacity_drain_and_health() -> None:
     d0.active = 5
     d1.draining = True
     d2.healthy = False
-    assert b.pick_decode(max_active=5) is None
-    assert b.pick_decode(max_active=6) is d0
+    assert b.place_decode(max_active=5).worker is None
+    assert b.place_decode(max_active=6).worker is d0
 
 
 def test_lease_releases_on_error() -> None:
@@ -91,9 +91,9 @@ def test_open_circuit_removes_worker_from_candidates() -> None:
     (d,) = b.decode.workers
     d.circuit.record_failure()
     d.circuit.record_failure()
-    assert b.pick_decode(10) is None and b.decode.load().workers == 0
+    assert b.place_decode(10).worker is None and b.decode.load().workers == 0
     clock.now = 6.0
-    assert b.pick_decode(10) is d
+    assert b.place_decode(10).worker is d
 
 
 def test_health_streaks() -> None:
