@@ -85,10 +85,12 @@ class Pool:
         usable = self.usable()
         if not usable:
             return PoolLoad()
+        lendable = [w.active for w in usable if not w.outstanding_tokens]
         return PoolLoad(
             workers=len(usable),
             min_outstanding_tokens=min(w.outstanding_tokens for w in usable),
             min_active=min(w.active for w in usable),
+            lendable_min_active=min(lendable, default=None),
         )
 
     def notify(self) -> None:
@@ -98,8 +100,9 @@ class Pool:
 
 
 #: Why a decode worker was chosen: it holds a prefix of the prompt (``prefix``); another candidate did, but
-#: this one was cheaper by ``CacheCost`` (``load``); no candidate held any, power of two choices (``balance``).
-PlaceReason = Literal["prefix", "load", "balance"]
+#: this one was cheaper by ``CacheCost`` (``load``); no candidate held any, power of two choices (``balance``);
+#: the policy lent the request to an idle prefill worker (``lent``, ``place_lent``).
+PlaceReason = Literal["prefix", "load", "balance", "lent"]
 
 
 class Placement(NamedTuple):
@@ -222,6 +225,16 @@ class Balancer:
         worker = self._two_choices(candidates)
         held = self._cached(worker, hashes) if worker is not None else 0
         return Placement(worker, held, "prefix" if held else "balance")
+
+    def place_lent(self, hashes: Sequence[int] = ()) -> Placement:
+        """The prefill worker a short request the policy lent (reason ``lent``) runs on alone: of those with no
+        prefill leg in flight, the least active (ties at random); the policy saw it below its limits."""
+        idle = [w for w in self.prefill.usable() if not w.outstanding_tokens]
+        if not idle:
+            return Placement(None)
+        least = min(w.active for w in idle)
+        worker = self._rng.choice([w for w in idle if w.active == least])
+        return Placement(worker, self._cached(worker, hashes), "lent")
 
     def _two_choices(self, candidates: list[Worker]) -> Worker | None:
         if len(candidates) <= 1:

@@ -101,6 +101,10 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # unhealthy, their circuits open, draining, or failed by this request) before it is refused with 503;
     # 0 refuses at once.
     unavailable_wait_s: float = 10.0
+    # A short request (LOCAL, reason short) may run alone on a prefill worker that has no prefill leg in
+    # flight and fewer than this many requests, when that is fewer than the least loaded decode worker has:
+    # P's idle capacity serves short requests instead of idling (``ThresholdPolicy``). 0: P only prefills.
+    lend_max_active: int = 0
 
 
 class KvRoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -257,6 +261,8 @@ def _check(cfg: RouterConfig) -> None:
         errors.append("policy.threshold_tokens: must be >= 0")
     if cfg.policy.unavailable_wait_s < 0:
         errors.append("policy.unavailable_wait_s: must be >= 0")
+    if cfg.policy.lend_max_active < 0:
+        errors.append("policy.lend_max_active: must be >= 0")
     if cfg.kv_routing.load_tokens < 0:
         errors.append("kv_routing.load_tokens: must be >= 0")
     if not 0.0 <= cfg.policy.decode_headroom_fraction <= 1.0:

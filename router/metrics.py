@@ -124,7 +124,7 @@ class RouterMetrics:
         )
         self.placements = Counter(
             "pd_router_decode_placements",
-            "KV-aware routing: why each decode worker was chosen (prefix, load, balance)",
+            "KV-aware routing: why each decode worker was chosen (prefix, load, balance; lent: a prefill worker)",
             ["reason"],
             registry=r,
         )

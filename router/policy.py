@@ -31,6 +31,9 @@ class PoolLoad(msgspec.Struct, frozen=True):
     # Least outstanding prefill tokens over the pool's workers (P) / least active requests (D).
     min_outstanding_tokens: int = 0
     min_active: int = 0
+    # Least active requests over the workers with no prefill leg in flight (None: every worker has one): what
+    # ``ThresholdPolicy`` may lend a short request to (P pool only).
+    lendable_min_active: int | None = None
 
 
 class PolicyInput(msgspec.Struct, frozen=True):
@@ -49,8 +52,8 @@ class PolicyInput(msgspec.Struct, frozen=True):
 
 class Decision(msgspec.Struct, frozen=True):
     route: Route
-    # Why, for metrics and logs: short | cached | long | disagg_only | fan_out | prefill_saturated |
-    # no_prefill | decode_saturated | no_decode.
+    # Why, for metrics and logs: short | lent | cached | long | disagg_only | fan_out | prefill_saturated |
+    # no_prefill | decode_saturated | no_decode. LOCAL with ``lent`` runs on a prefill worker, not a decode one.
     reason: str
 
 
@@ -67,7 +70,10 @@ class ThresholdPolicy:
       the queue timeout); else DISAGG. The proxy refuses requests of several sequences before asking.
     - Several sequences (``n`` > 1, a prompt list, beam search): LOCAL. The P/D legs carry one transfer id;
       vLLM would give each sequence its own engine request with that same id, so their KV would collide.
-    - Prompt shorter than ``threshold_tokens``: LOCAL (a short prefill is cheap to piggyback on decode).
+    - Prompt shorter than ``threshold_tokens``: LOCAL (a short prefill is cheap to piggyback on decode), on a
+      prefill worker (reason ``lent``) when one has no prefill leg in flight and fewer requests than both
+      ``lend_max_active`` and the least loaded D: P's capacity serves short requests instead of idling while
+      no long prompt needs it (the cost: a lent request decodes beside the next long prompt's prefill there).
     - Uncached part (prompt less the chosen D's cached prefix) shorter than ``threshold_tokens``: LOCAL,
       reason ``cached`` (D computes the rest itself; shipping the whole prompt's KV from P would cost more).
     - No healthy P: LOCAL (D prefills itself rather than failing).
@@ -96,7 +102,9 @@ class ThresholdPolicy:
         if not inp.one_sequence:
             return Decision(Route.LOCAL, "fan_out")
         if inp.prompt_tokens < cfg.threshold_tokens:
-            return Decision(Route.LOCAL, "short")
+            lendable = inp.prefill.lendable_min_active
+            lend = lendable is not None and lendable < min(cfg.lend_max_active, inp.decode.min_active)
+            return Decision(Route.LOCAL, "lent" if lend else "short")
         if inp.uncached_tokens < cfg.threshold_tokens:
             return Decision(Route.LOCAL, "cached")
         if inp.prefill.workers == 0:

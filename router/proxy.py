@@ -16,7 +16,8 @@ events to the client, ``resume.py`` continues a stream whose decode worker broke
   against its load (``Balancer.place_decode``), and the policy decides on the tokens it does not hold; the
   prompt is then recorded on the workers it went to.
 - Route: the policy says LOCAL (D only, the body forwarded as parsed: the client's, less any transfer fields,
-  see ``requests.parse``) or DISAGG (P and D legs per flow, with the router's own transfer fields).
+  see ``requests.parse``; reason ``lent``: an idle prefill worker instead of D, ``policy.lend_max_active``) or
+  DISAGG (P and D legs per flow, with the router's own transfer fields).
 - Retries: until the first byte reached the client, a failed attempt (connect error, 5xx, timeout, broken
   stream) is retried on other workers with exponential backoff and jitter, at most ``retry.max_attempts``.
 - After the first byte: a decode worker failure is resumed on another decode worker (``resume.py``).
@@ -131,7 +132,8 @@ class Proxy:
     async def _decide(
         self, parsed: Parsed, path: str, hashes: list[int], comeback: Comeback
     ) -> tuple[Decision, Placement]:
-        """The policy's route and the decode worker placed for it (its first attempt's). While the policy
+        """The policy's route and the worker placed for it to decode (its first attempt's: a prefill worker
+        when the policy lent it one, reason ``lent``; retries place on decode workers). While the policy
         says WAIT, wait for a slot in the pool it names (bounded by queue_timeout_s, then 429); while it says
         REJECT (no usable worker in that pool), wait for one to come back (the request's ``comeback`` bound,
         unavailable_wait_s, then 503): a worker restarting, or taken out by its health checks for a moment,
@@ -154,6 +156,8 @@ class Proxy:
                         placed.cached_tokens,
                     )
                 )
+                if decision.reason == "lent":
+                    return decision, b.place_lent(hashes)
                 if decision.route is Route.LOCAL or decision.route is Route.DISAGG:
                     return decision, placed
                 role = _POOL_OF[decision.reason]

@@ -54,6 +54,20 @@ def test_decode_respects_capacity_drain_and_health() -> None:
     assert b.place_decode(max_active=6).worker is d0
 
 
+def test_a_lent_request_goes_to_the_least_active_usable_prefill_worker_with_no_prefill_in_flight() -> None:
+    b = _balancer(n_p=4)
+    p0, p1, p2, p3 = b.prefill.workers
+    p0.active, p0.outstanding_tokens = 0, 300  # prefilling: not lendable, however idle otherwise
+    p1.active, p2.active, p3.active = 2, 1, 0
+    p3.healthy = False
+    assert b.prefill.load().lendable_min_active == 1
+    placed = b.place_lent()
+    assert (placed.worker, placed.reason) == (p2, "lent")
+    with b.lease(p1, prefill_tokens=40), b.lease(p2, prefill_tokens=40):
+        assert b.prefill.load().lendable_min_active is None
+        assert b.place_lent().worker is None
+
+
 def test_lease_releases_on_error() -> None:
     b = _balancer()
     p = b.prefill.workers[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,14 +22,45 @@ def decide(
     decode: PoolLoad = D_IDLE,
     one_sequence: bool = True,
     decode_prefills: bool = True,
+    cfg: PolicyConfig = CFG,
 ):
-    return ThresholdPolicy(CFG, decode_prefills).decide(PolicyInput(tokens, prefill, decode, one_sequence))
+    return ThresholdPolicy(cfg, decode_prefills).decide(PolicyInput(tokens, prefill, decode, one_sequence))
 
 
 def test_threshold_boundary() -> None:
     assert decide(99).route is Route.LOCAL and decide(99).reason == "short"
     assert decide(100).route is Route.DISAGG and decide(100).reason == "long"
     assert decide(0).route is Route.LOCAL
+
+
+LEND = msgspec.structs.replace(CFG, lend_max_active=3)
+
+
+def lendable(active: int | None) -> PoolLoad:
+    """One P whose prefill legs are all done (``active`` requests, lent ones) or, with None, still running."""
+    return PoolLoad(
+        workers=1, min_outstanding_tokens=0 if active is not None else 500, lendable_min_active=active
+    )
+
+
+def test_a_short_request_is_lent_to_a_prefill_worker_only_when_it_is_less_loaded_than_every_decode_worker() -> (
+    None
+):
+    d_busy = PoolLoad(workers=2, min_active=2)
+    assert decide(99, lendable(1), d_busy, cfg=LEND).reason == "lent"
+    assert decide(99, lendable(1), d_busy, cfg=LEND).route is Route.LOCAL
+    assert decide(99, lendable(2), d_busy, cfg=LEND).reason == "short"  # as busy as the least loaded D: D
+    assert decide(99, lendable(0), PoolLoad(workers=2), cfg=LEND).reason == "short"  # idle D: P stays clean
+
+
+def test_lending_stops_at_lend_max_active_and_while_a_prefill_runs_and_is_off_by_default() -> None:
+    d_busy = PoolLoad(workers=2, min_active=9)
+    assert decide(99, lendable(2), d_busy, cfg=LEND).reason == "lent"
+    assert decide(99, lendable(3), d_busy, cfg=LEND).reason == "short"  # lend_max_active = 3
+    assert decide(99, lendable(None), d_busy, cfg=LEND).reason == "short"  # every P is prefilling
+    assert decide(99, lendable(0), d_busy).reason == "short"  # lend_max_active = 0 (the default)
+    assert decide(100, lendable(0), d_busy, cfg=LEND).reason == "long"  # only short prompts are lent
+    assert decide(5000, lendable(0), d_busy, one_sequence=False, cfg=LEND).reason == "fan_out"
 
 
 def test_several_sequences_stay_local_whatever_the_length() -> None:
@@ -74,15 +106,26 @@ def test_decode_that_cannot_prefill_gets_every_request_through_prefill() -> None
 
 @given(
     tokens=st.integers(0, 10**6),
-    p=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
+    p=st.builds(
+        PoolLoad,
+        st.integers(0, 4),
+        st.integers(0, 10**5),
+        st.integers(0, 100),
+        st.none() | st.integers(0, 100),
+    ),
     d=st.builds(PoolLoad, st.integers(0, 4), st.integers(0, 10**5), st.integers(0, 100)),
     one=st.booleans(),
     decode_prefills=st.booleans(),
+    lend=st.integers(0, 8),
 )
 def test_policy_is_total_and_never_sends_a_request_to_a_missing_pool(
-    tokens, p, d, one, decode_prefills
+    tokens, p, d, one, decode_prefills, lend
 ) -> None:
-    decision = decide(tokens, p, d, one, decode_prefills)
+    cfg = msgspec.structs.replace(CFG, lend_max_active=lend)
+    decision = decide(tokens, p, d, one, decode_prefills, cfg)
+    if decision.reason == "lent":  # a short request, on a P without prefill, below both limits
+        assert decision.route is Route.LOCAL and tokens < CFG.threshold_tokens and one
+        assert p.lendable_min_active is not None and p.lendable_min_active < min(lend, d.min_active)
     if decision.route is Route.DISAGG:
         assert p.workers > 0
         if decode_prefills:
