@@ -13,7 +13,9 @@ failure). A sweep stops after the first rate where even the loosest SLO scale mi
 SLOs come from idle figures measured on the first system run (``aggregated`` by default): per request
 class, the median TTFT of a lone request of the class's prompt length, and the median gap between streamed
 tokens of a lone request (an idle decode step); at each ``--slo-scales`` k, TTFT SLO = k x the class's idle
-TTFT, TPOT SLO = k x the idle step. ``aggregated_slo``'s scheduler gets the k = 2 SLOs as its targets.
+TTFT, TPOT SLO = k x the idle step. ``--idle-ttft-ms`` / ``--idle-step-ms`` fix those figures instead (still
+measured and reported): one measurement moves with the machine's state, and fixed ones let separate
+invocations share their SLOs. ``aggregated_slo``'s scheduler gets the k = 2 SLOs as its targets.
 Goodput and the rest: ``benchmarks.goodput_analysis``. Checked per run: ``vllm bench serve``'s failed count
 (reported; the target is zero), KV bytes moved by ``pd`` and ``nixl`` whenever long prompts ran, and no
 failed KV load.
@@ -142,6 +144,23 @@ def idle_figures(url: str, workload: Workload, rng: random.Random, vocab: int) -
     return {"ttft_ms": ttft, "step_ms": sorted(gaps)[len(gaps) // 2]}
 
 
+def slo_basis(idle: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The figures the SLOs scale: the measured idle ones, less those fixed on the command line
+    (``--idle-ttft-ms``, ``--idle-step-ms``), so that runs of different invocations share their SLOs."""
+    return {
+        "ttft_ms": {**idle["ttft_ms"], **{c: ms for c, ms in args.idle_ttft_ms if c in idle["ttft_ms"]}},
+        "step_ms": args.idle_step_ms or idle["step_ms"],
+    }
+
+
+def class_ms(text: str) -> tuple[str, float]:
+    """``CLASS=MS`` of ``--idle-ttft-ms``."""
+    name, sep, ms = text.partition("=")
+    if not sep or not name or float(ms) <= 0:
+        raise argparse.ArgumentTypeError(f"expected CLASS=MS with MS > 0, got {text!r}")
+    return name, float(ms)
+
+
 def warm_up(system: System, workload: Workload, rng: random.Random, vocab: int) -> None:
     """One short request straight to every engine, then one request of each class through the router (the
     first requests of a vLLM server compile and allocate; the first P->D one connects P and D)."""
@@ -192,7 +211,11 @@ def run_system(
             progress.update(task, description=f"{workload.name}: idle figures on {name}")
             idle = idle_figures(system.url, workload, rng, args.vocab)
             log(f"{workload.name} idle on {name}: {idle}")
-            slo_by_scale = {k: slos(idle["ttft_ms"], idle["step_ms"], k) for k in args.slo_scales}
+            basis = slo_basis(idle, args)
+            if basis != {k: idle[k] for k in basis}:
+                idle["slo_basis"] = basis
+                log(f"{workload.name} SLOs scale the figures given instead: {basis}")
+            slo_by_scale = {k: slos(basis["ttft_ms"], basis["step_ms"], k) for k in args.slo_scales}
         for i, rate in enumerate(sorted(sizes)):
             n = sizes[rate]
             progress.update(task, description=f"{workload.name}: {name} at {rate:g} req/s ({n} requests)")
@@ -271,6 +294,17 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="s of Poisson arrivals per rate")
     parser.add_argument("--min-prompts", type=int, default=5, help="requests per rate at least")
     parser.add_argument("--slo-scales", nargs="+", type=float, default=[1.5, HEADLINE_SCALE, 3.0])
+    parser.add_argument(
+        "--idle-ttft-ms",
+        nargs="+",
+        type=class_ms,
+        default=[],
+        metavar="CLASS=MS",
+        help="idle TTFT per request class (short, long) the SLOs scale, instead of the measured one",
+    )
+    parser.add_argument(
+        "--idle-step-ms", type=float, help="idle decode step the TPOT SLO scales, instead of the measured one"
+    )
     parser.add_argument("--full-sweep", action="store_true", help="run every rate even after attainment fell")
     parser.add_argument("--run-timeout-s", type=float, default=600.0, help="per vllm bench serve run")
     parser.add_argument("--plot-dir", type=Path, default=Path("docs"), help="'' for no plots")
@@ -286,6 +320,11 @@ def main() -> None:
     if HEADLINE_SCALE not in args.slo_scales:
         args.slo_scales.append(HEADLINE_SCALE)
     args.slo_scales.sort()
+    classes = {c.name for w in WORKLOADS.values() for c in w.classes}
+    if unknown := {c for c, _ in args.idle_ttft_ms} - classes:
+        parser.error(f"--idle-ttft-ms: unknown request classes {sorted(unknown)}; known: {sorted(classes)}")
+    if args.idle_step_ms is not None and args.idle_step_ms <= 0:
+        parser.error("--idle-step-ms: must be > 0")
     args.model = args.model.resolve()
     args.vocab, args.max_len = model_limits(args.model)
     if str(args.plot_dir) in ("", "."):

@@ -1,4 +1,4 @@
-"""The four serving systems ``benchmarks.goodput`` compares, each on the same two cores behind pd-router.
+"""The serving systems ``benchmarks.goodput`` compares, each on the same two cores behind pd-router.
 
 Called by the benchmark process, one system at a time: ``build`` makes the servers (not started),
 ``System.start`` starts the engines and the router and waits for their health, ``System.close`` stops every
@@ -12,6 +12,8 @@ what the system is about (same model and dtype); one engine is pinned to core 0,
   ITL and TTFT targets are the SLOs the benchmark measures against;
 - ``pd``: P (PDConnector producer, core 0) and D (consumer, core 1), pd-router's ``pd-push`` flow with the
   threshold policy (prompts shorter than its ``threshold_tokens`` are served by D alone);
+- ``pd_lend``: ``pd`` with pd-router's ``policy.lend_max_active`` (``LEND_MAX_ACTIVE``): a short request
+  runs on P alone while P has no prefill in flight and fewer requests than D (docs/router.md ``## Routing``);
 - ``nixl``: P and D with vLLM's NixlConnector (``kv_buffer_device: cpu``), pd-router's ``vllm-standard``
   flow (P with ``max_tokens`` 1, then D pulls the prompt's KV from the blocks P's answer names), the same
   threshold policy and D's ``kv_load_failure_policy`` as ``pd``. P advertises its side channel on the host
@@ -30,7 +32,10 @@ from integration_tests.pd_checks import metric
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 
-SYSTEMS = ("aggregated", "aggregated_slo", "pd", "nixl")
+SYSTEMS = ("aggregated", "aggregated_slo", "pd", "pd_lend", "nixl")
+#: ``pd_lend``'s ``policy.lend_max_active``: above the requests one engine of these runs holds at once, so the
+#: balance against D's load, not this cap, decides how many short requests P takes.
+LEND_MAX_ACTIVE = 64
 BLOCK_TOKENS = 32  # pd_disagg.engines.VLLM_CPU_ARGS' --block-size: the router's KV index names blocks alike
 SLO_SCHEDULER = "scheduler_plugins.vllm.SLOScheduler"
 STAGES = ("queue", "prefill", "decode")  # vLLM's per-request stage histograms
@@ -80,7 +85,7 @@ class System:
     def kv_counters(self) -> dict[str, float]:
         """Counters that show KV movement: bytes P sent and loads that failed (``pd``), bytes D pulled and
         failed transfers (``nixl``); nothing for the aggregated systems, which have no connector."""
-        if self.name == "pd":
+        if self.name in ("pd", "pd_lend"):
             p, d = (base_url(s) for s in self.engines)
             return {
                 "kv_bytes": metric(p, "vllm:pd_connector_bytes_sent_total"),
@@ -142,7 +147,7 @@ def build(
         engines = [engine(f"e{core}", core, extra_args=extra, env=env) for core in (0, 1)]
         config = {"flow": "pd-push", "sections": sections, "decode": [{"url": base_url(e)} for e in engines]}
         return System(name, engines, config, log_dir)
-    if name == "pd":
+    if name in ("pd", "pd_lend"):
         side = free_port()
         p = engine(
             "prefill",
@@ -158,6 +163,8 @@ def build(
             1,
             {"kv_connector": "PDConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"},
         )
+        if name == "pd_lend":
+            sections["policy"] = {"lend_max_active": LEND_MAX_ACTIVE}
         config = {
             "flow": "pd-push",
             "sections": sections,

@@ -1,14 +1,17 @@
 """The pure parts of benchmarks.goodput: goodput interpolation at its boundaries, SLO derivation, attainment
-per request class, and the JSON's shape (benchmarks/goodput_analysis.py); and that ``--confine`` puts every
-process of an engine on its core (benchmarks/goodput_systems.py)."""
+per request class, SLOs from figures fixed on the command line, and the JSON's shape
+(benchmarks/goodput_analysis.py, goodput.py); that ``--confine`` puts every process of an engine on its core and
+what ``pd_lend`` changes (benchmarks/goodput_systems.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
+from benchmarks.goodput import class_ms, slo_basis
 from benchmarks.goodput_analysis import (
     WORKLOADS,
     goodput_rps,
@@ -19,7 +22,7 @@ from benchmarks.goodput_analysis import (
     summarize,
     target_met,
 )
-from benchmarks.goodput_systems import build
+from benchmarks.goodput_systems import LEND_MAX_ACTIVE, build
 
 MIXED = WORKLOADS["mixed"]
 
@@ -146,3 +149,23 @@ def test_confine_puts_each_engine_on_its_core(tmp_path: Path, confine: bool) -> 
         assert firsts == [["taskset", "-c", "0"], ["taskset", "-c", "1"]]
     else:
         assert all(first[0] != "taskset" for first in firsts)
+
+
+def test_pd_lend_is_pd_with_lending_and_counts_as_ours(tmp_path: Path) -> None:
+    pd, lend = (build(name, tmp_path / "model", "float32", 2048, tmp_path) for name in ("pd", "pd_lend"))
+    assert "policy" not in pd.router_config["sections"]
+    assert lend.router_config["sections"]["policy"] == {"lend_max_active": LEND_MAX_ACTIVE}
+    assert lend.router_config["flow"] == pd.router_config["flow"] == "pd-push"
+    assert ratios({"aggregated": 4.0, "pd": 1.0, "pd_lend": 5.0})["best_ours_over_aggregated"] == 1.25
+
+
+def test_slo_basis_takes_the_figures_fixed_on_the_command_line() -> None:
+    idle = {"ttft_ms": {"short": 20.0, "long": 250.0}, "step_ms": 7.5}
+    given = argparse.Namespace(idle_ttft_ms=[("long", 300.0)], idle_step_ms=6.0)
+    assert slo_basis(idle, given) == {"ttft_ms": {"short": 20.0, "long": 300.0}, "step_ms": 6.0}
+    none = argparse.Namespace(idle_ttft_ms=[], idle_step_ms=None)
+    assert slo_basis(idle, none) == {"ttft_ms": idle["ttft_ms"], "step_ms": 7.5}
+    assert class_ms("short=44") == ("short", 44.0)
+    for bad in ("short", "=4", "short=0", "short=x"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            class_ms(bad)
