@@ -12,7 +12,8 @@ modules' data plane, cma the tensor-parallel module's.
 KV-aware routing (issue 21) runs on the same servers behind a third router (``kv``): a chat's later turns go to
 the decode server that holds the conversation, stay there alone when little is new, and go P->D with only
 the blocks that server lacks when much is new. The per-flow routers route on load alone
-(``kv_routing.enabled = false``): their tests send copies of one prompt to exercise P's prefix cache.
+(``kv_routing.enabled = false``): their tests send copies of one prompt to exercise P's prefix cache. A fourth
+router (``lend``) lends short prompts to an idle P while its one D is busy (``policy.lend_max_active``).
 """
 
 from __future__ import annotations
@@ -78,21 +79,22 @@ def cluster(start_servers, tiny_model: Path, log_dir: Path, tmp_path_factory) ->
     routers = {}
     kv_off: dict[str, Any] = {"enabled": False}
     kv_on: dict[str, Any] = {"block_size": BLOCK_TOKENS}
-    for name, flow, threshold, kv in (
-        *((f, f, THRESHOLD, kv_off) for f in FLOWS),
-        ("kv", "pd-push", KV_THRESHOLD, kv_on),
+    for name, flow, policy, kv, ds in (
+        *((f, f, {"threshold_tokens": THRESHOLD}, kv_off, decodes) for f in FLOWS),
+        ("kv", "pd-push", {"threshold_tokens": KV_THRESHOLD}, kv_on, decodes),
+        ("lend", "pd-push", {"threshold_tokens": THRESHOLD, "lend_max_active": 4}, kv_off, decodes[:1]),
     ):
         config = write_router_config(
             tmp_path_factory.mktemp(name) / "router.toml",
             flow=flow,
             sections={
                 "model": {"path": str(tiny_model), "served_names": ["tiny"], "max_model_len": MAX_MODEL_LEN},
-                "policy": {"threshold_tokens": threshold},
+                "policy": policy,
                 "kv_routing": kv,
                 "health": {"interval_s": 0.5},
             },
             prefill=[{"url": base_url(p), "bootstrap": a} for p, a in zip(prefills, p_addrs, strict=True)],
-            decode=[{"url": base_url(d)} for d in decodes],
+            decode=[{"url": base_url(d)} for d in ds],
         )
         (router,) = start_servers(
             router_server(config, log_dir=log_dir, port=free_port(), name=f"topo-{name}")
@@ -189,6 +191,32 @@ def _routed_stream(router: str, payload: dict[str, Any]) -> tuple[str, list[int]
     assert events[-1] == b"[DONE]", events[-3:]
     chunks = [json.loads(e) for e in events[:-1]]
     return route, [t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []]
+
+
+def test_a_short_prompt_lent_to_an_idle_prefill_is_served_there_alone(cluster: dict[str, Any]) -> None:
+    """The lend router (``policy.lend_max_active``; both P, only the first D): while a stream holds that D, a
+    short prompt goes to an idle P (reason ``lent``) and is served there alone, as D would: the colocated
+    tokens, no transfer, no block left held on any engine."""
+    router, ps, ds = cluster["routers"]["lend"], cluster["p"], cluster["d"]
+    busy, short = _prompt(20, seed=34_000), _prompt(20, seed=34_001)
+    served, transfers = _served(ps), Transfers(ps, ds)
+    request = pd_client.urllib.request.Request(
+        router + "/v1/completions",
+        json.dumps(_body(busy, stream=True, max_tokens=200, ignore_eos=True)).encode(),
+        {"content-type": "application/json"},
+    )
+    with pd_client.urllib.request.urlopen(request, timeout=180) as resp:
+        assert resp.headers.get("X-PD-Route") == "local"
+        assert resp.readline().startswith(b"data: ")  # D streams it: D has one request, each P none
+        route, tokens = _routed(router, _body(short))
+        resp.read()
+    assert route == "local"
+    assert metric(router, "pd_router_requests_total", {"reason": "lent"}) == 1
+    assert sum(_served(ps)) - sum(served) == 1, "one P served the short prompt"
+    transfers.check(0, local_tokens=len(busy))
+    assert tokens == _colocated(cluster, short)
+    for url in ps + ds:
+        wait_until(lambda url=url: blocks_idle(url), 30, f"no block held on {url}")
 
 
 def _chat(url: str, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]]:
