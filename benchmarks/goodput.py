@@ -1,5 +1,5 @@
-"""Goodput under TTFT/TPOT SLOs, end to end: aggregated vLLM vs aggregated + SLO scheduler vs our P/D vs vLLM's
-NixlConnector P/D, on the same two cores (issue 17; docs/performance.md ``## goodput``).
+"""Goodput under TTFT/TPOT SLOs, end to end: aggregated vLLM vs aggregated + SLO scheduler vs our P/D (with and
+without lending P's idle capacity) vs vLLM's NixlConnector P/D, on the same two cores (issue 17; docs/performance.md ``## goodput``).
 
 Per workload (``--workloads``; ``benchmarks.goodput_analysis.WORKLOADS``: ``long`` 1800 -> 180 tokens,
 ``mixed`` 60% 128 -> 128 chats and 40% 1800 -> 180 documents, ``short`` 128 -> 128) and per system
