@@ -76,3 +76,20 @@ async def test_lending_is_off_by_default(make_cluster) -> None:
     second = await c.router.post("/v1/completions", json=_body(2, stream=False))
     assert second.status == 200 and len(d.requests) == 2 and p.requests == []
     assert (await first).status == 200
+
+
+async def test_a_lent_stream_broken_on_its_prefill_worker_is_resumed_on_a_decode_worker(make_cluster) -> None:
+    """A lent request is a local one: when P breaks its stream, a decode worker continues it from the tokens
+    the client has (retries and resumes place on decode workers only)."""
+    c = await make_cluster(n_prefill=1, n_decode=1, policy__lend_max_active=1)
+    (p,), (d,) = c.prefill, c.decode
+    c.state.balancer.decode.workers[0].active = 5  # D looks busier than the idle P: the request is lent
+    p.die_after_tokens = 3
+    r = await c.router.post("/v1/completions", json=_body(10))
+    raw = await r.read()
+    assert r.status == 200 and r.headers["X-PD-Route"] == "local"
+    assert text_of(raw) == "".join(generate(short_prompt(), 10))  # no token lost or repeated
+    (lent,) = p.requests
+    (cont,) = d.requests
+    assert cont["max_tokens"] == 7 and lent["max_tokens"] == 10
+    assert await _lent(c) == 1
