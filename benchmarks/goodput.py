@@ -1,5 +1,6 @@
 """Goodput under TTFT/TPOT SLOs, end to end: aggregated vLLM vs aggregated + SLO scheduler vs our P/D (with and
-without lending P's idle capacity) vs vLLM's NixlConnector P/D, on the same two cores (issue 17; docs/performance.md ``## goodput``).
+without lending P's idle capacity) vs vLLM's NixlConnector P/D, on the same two cores (issue 17;
+docs/performance.md ``## goodput``).
 
 Per workload (``--workloads``; ``benchmarks.goodput_analysis.WORKLOADS``: ``long`` 1800 -> 180 tokens,
 ``mixed`` 60% 128 -> 128 chats and 40% 1800 -> 180 documents, ``short`` 128 -> 128) and per system
@@ -145,8 +146,8 @@ def idle_figures(url: str, workload: Workload, rng: random.Random, vocab: int) -
 
 
 def slo_basis(idle: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The figures the SLOs scale: the measured idle ones, less those fixed on the command line
-    (``--idle-ttft-ms``, ``--idle-step-ms``), so that runs of different invocations share their SLOs."""
+    """The figures the SLOs scale: the measured idle ones, each replaced by its value fixed on the command line
+    if any (``--idle-ttft-ms``, ``--idle-step-ms``), so that runs of different invocations share their SLOs."""
     return {
         "ttft_ms": {**idle["ttft_ms"], **{c: ms for c, ms in args.idle_ttft_ms if c in idle["ttft_ms"]}},
         "step_ms": args.idle_step_ms or idle["step_ms"],

@@ -43,9 +43,7 @@ def lendable(active: int | None) -> PoolLoad:
     )
 
 
-def test_a_short_request_is_lent_to_a_prefill_worker_only_when_it_is_less_loaded_than_every_decode_worker() -> (
-    None
-):
+def test_lent_only_to_a_prefill_worker_less_loaded_than_every_decode_worker() -> None:
     d_busy = PoolLoad(workers=2, min_active=2)
     assert decide(99, lendable(1), d_busy, cfg=LEND).reason == "lent"
     assert decide(99, lendable(1), d_busy, cfg=LEND).route is Route.LOCAL
