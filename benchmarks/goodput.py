@@ -163,12 +163,14 @@ def class_ms(text: str) -> tuple[str, float]:
 
 
 def warm_up(system: System, workload: Workload, rng: random.Random, vocab: int) -> None:
-    """One short request straight to every engine, then one request of each class through the router (the
-    first requests of a vLLM server compile and allocate; the first P->D one connects P and D)."""
+    """One short request straight to every engine, then as many requests of each class through the router as
+    the idle measurement sends (the first requests of a vLLM server compile and allocate; the first P->D one
+    connects P and D): every system starts its sweep as warm as the one the idle figures were measured on."""
     for engine in system.engines:
         stream(base_url(engine), body(prompt(64, rng, vocab), 2))
     for cls in workload.classes:
-        stream(system.url, body(prompt(cls.prompt_tokens, rng, vocab), 4))
+        for _ in range(IDLE_REPS + 1):
+            stream(system.url, body(prompt(cls.prompt_tokens, rng, vocab), IDLE_TOKENS))
 
 
 def kv_check(system: System, workload: Workload, before: dict[str, float], after: dict[str, float]) -> str:
