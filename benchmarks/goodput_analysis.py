@@ -178,9 +178,9 @@ def goodput_rps(points: list[tuple[float, float]], target: float = ATTAINMENT) -
 
 def ratio_terms(goodput: dict[str, float]) -> dict[str, tuple[float | None, float | None]]:
     """Numerator and denominator of the issue's ratios for one workload (``None`` for a system not run);
-    ``best_ours`` is the best of ``pd``, ``pd_lend`` and ``aggregated_slo`` (what our router plus scheduler
-    offer)."""
-    ours = [goodput[s] for s in ("pd", "pd_lend", "aggregated_slo") if s in goodput]
+    ``best_ours`` is the best of ``pd``, ``pd_lend``, ``pd_lend_slo`` and ``aggregated_slo`` (what our router
+    plus scheduler offer)."""
+    ours = [goodput[s] for s in ("pd", "pd_lend", "pd_lend_slo", "aggregated_slo") if s in goodput]
     agg = goodput.get("aggregated")
     return {
         "pd_over_aggregated": (goodput.get("pd"), agg),

@@ -14,6 +14,8 @@ what the system is about (same model and dtype); one engine is pinned to core 0,
   threshold policy (prompts shorter than its ``threshold_tokens`` are served by D alone);
 - ``pd_lend``: ``pd`` with pd-router's ``policy.lend_max_active`` (``LEND_MAX_ACTIVE``): a short request
   runs on P alone while P has no prefill in flight and fewer requests than D (docs/router.md ``## Routing``);
+- ``pd_lend_slo``: ``pd_lend`` with P under ``SLOScheduler`` (colocated mode, the same targets as
+  ``aggregated_slo``'s), whose chunked prefill bounds the steps of the chats lent to P;
 - ``nixl``: P and D with vLLM's NixlConnector (``kv_buffer_device: cpu``), pd-router's ``vllm-standard``
   flow (P with ``max_tokens`` 1, then D pulls the prompt's KV from the blocks P's answer names), the same
   threshold policy and D's ``kv_load_failure_policy`` as ``pd``. P advertises its side channel on the host
@@ -32,7 +34,7 @@ from integration_tests.pd_checks import metric
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 
-SYSTEMS = ("aggregated", "aggregated_slo", "pd", "pd_lend", "nixl")
+SYSTEMS = ("aggregated", "aggregated_slo", "pd", "pd_lend", "pd_lend_slo", "nixl")
 #: ``pd_lend``'s ``policy.lend_max_active``: above the requests one engine of these runs holds at once, so the
 #: balance against D's load, not this cap, decides how many short requests P takes.
 LEND_MAX_ACTIVE = 64
@@ -85,7 +87,7 @@ class System:
     def kv_counters(self) -> dict[str, float]:
         """Counters that show KV movement: bytes P sent and loads that failed (``pd``), bytes D pulled and
         failed transfers (``nixl``); nothing for the aggregated systems, which have no connector."""
-        if self.name in ("pd", "pd_lend"):
+        if self.name.startswith("pd"):
             p, d = (base_url(s) for s in self.engines)
             return {
                 "kv_bytes": metric(p, "vllm:pd_connector_bytes_sent_total"),
@@ -109,8 +111,8 @@ def build(
     slo_ms: tuple[float, float] | None = None,
     confine: bool = False,
 ) -> System:
-    """The servers of system ``name`` (not started). ``slo_ms``: (TTFT, ITL) targets of ``aggregated_slo``'s
-    scheduler, required for it and ignored otherwise. ``confine``: every process of an engine on its core
+    """The servers of system ``name`` (not started). ``slo_ms``: (TTFT, ITL) targets of the SLO scheduler of
+    ``aggregated_slo`` and ``pd_lend_slo``, required for them and ignored otherwise. ``confine``: every process of an engine on its core
     (``vllm_server(confine=True)``), not only its OpenMP threads."""
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": str(model), "served_names": [SERVED], "max_model_len": max_len},
@@ -133,21 +135,18 @@ def build(
             **kwargs,
         )
 
+    extra: list[str] = []
+    env: dict[str, str] = {}
+    if name.endswith("_slo"):
+        if slo_ms is None:
+            raise ValueError(f"{name} needs the SLOs for its scheduler's targets")
+        extra = ["--scheduler-cls", SLO_SCHEDULER]
+        env = {"PD_SCHED_TTFT_TARGET_MS": f"{slo_ms[0]:.0f}", "PD_SCHED_ITL_TARGET_MS": f"{slo_ms[1]:.1f}"}
     if name in ("aggregated", "aggregated_slo"):
-        extra: list[str] = []
-        env: dict[str, str] = {}
-        if name == "aggregated_slo":
-            if slo_ms is None:
-                raise ValueError("aggregated_slo needs the SLOs for its scheduler's targets")
-            extra = ["--scheduler-cls", SLO_SCHEDULER]
-            env = {
-                "PD_SCHED_TTFT_TARGET_MS": f"{slo_ms[0]:.0f}",
-                "PD_SCHED_ITL_TARGET_MS": f"{slo_ms[1]:.1f}",
-            }
         engines = [engine(f"e{core}", core, extra_args=extra, env=env) for core in (0, 1)]
         config = {"flow": "pd-push", "sections": sections, "decode": [{"url": base_url(e)} for e in engines]}
         return System(name, engines, config, log_dir)
-    if name in ("pd", "pd_lend"):
+    if name in ("pd", "pd_lend", "pd_lend_slo"):
         side = free_port()
         p = engine(
             "prefill",
@@ -157,13 +156,15 @@ def build(
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"side_channel_port": side},
             },
+            extra_args=extra,
+            env=env,
         )
         d = engine(
             "decode",
             1,
             {"kv_connector": "PDConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"},
         )
-        if name == "pd_lend":
+        if name != "pd":
             sections["policy"] = {"lend_max_active": LEND_MAX_ACTIVE}
         config = {
             "flow": "pd-push",

@@ -151,12 +151,19 @@ def test_confine_puts_each_engine_on_its_core(tmp_path: Path, confine: bool) -> 
         assert all(first[0] != "taskset" for first in firsts)
 
 
-def test_pd_lend_is_pd_with_lending_and_counts_as_ours(tmp_path: Path) -> None:
+def test_pd_lend_systems_are_pd_with_lending_and_count_as_ours(tmp_path: Path) -> None:
     pd, lend = (build(name, tmp_path / "model", "float32", 2048, tmp_path) for name in ("pd", "pd_lend"))
     assert "policy" not in pd.router_config["sections"]
     assert lend.router_config["sections"]["policy"] == {"lend_max_active": LEND_MAX_ACTIVE}
     assert lend.router_config["flow"] == pd.router_config["flow"] == "pd-push"
     assert ratios({"aggregated": 4.0, "pd": 1.0, "pd_lend": 5.0})["best_ours_over_aggregated"] == 1.25
+    with pytest.raises(ValueError, match="SLOs"):
+        build("pd_lend_slo", tmp_path / "model", "float32", 2048, tmp_path)
+    slo = build("pd_lend_slo", tmp_path / "model", "float32", 2048, tmp_path, slo_ms=(500.0, 11.0))
+    p, d = ([*e.argv] for e in slo.engines)
+    assert "--scheduler-cls" in p and "--scheduler-cls" not in d  # P's lent chats get bounded steps
+    assert slo.router_config["sections"]["policy"] == {"lend_max_active": LEND_MAX_ACTIVE}
+    assert ratios({"aggregated": 4.0, "pd_lend_slo": 6.0})["best_ours_over_aggregated"] == 1.5
 
 
 def test_slo_basis_takes_the_figures_fixed_on_the_command_line() -> None:
