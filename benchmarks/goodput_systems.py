@@ -85,8 +85,8 @@ class System:
         return out
 
     def kv_counters(self) -> dict[str, float]:
-        """Counters that show KV movement: bytes P sent and loads that failed (``pd``), bytes D pulled and
-        failed transfers (``nixl``); nothing for the aggregated systems, which have no connector."""
+        """Counters that show KV movement: bytes P sent and loads that failed (``pd`` and its lending kin),
+        bytes D pulled and failed transfers (``nixl``); nothing for the aggregated systems (no connector)."""
         if self.name.startswith("pd"):
             p, d = (base_url(s) for s in self.engines)
             return {
@@ -112,8 +112,8 @@ def build(
     confine: bool = False,
 ) -> System:
     """The servers of system ``name`` (not started). ``slo_ms``: (TTFT, ITL) targets of the SLO scheduler of
-    ``aggregated_slo`` and ``pd_lend_slo``, required for them and ignored otherwise. ``confine``: every process of an engine on its core
-    (``vllm_server(confine=True)``), not only its OpenMP threads."""
+    ``aggregated_slo`` and ``pd_lend_slo``, required for them and ignored otherwise. ``confine``: every
+    process of an engine on its core (``vllm_server(confine=True)``), not only its OpenMP threads."""
     sections: dict[str, dict[str, Any]] = {
         "model": {"path": str(model), "served_names": [SERVED], "max_model_len": max_len},
         "kv_routing": {"block_size": BLOCK_TOKENS},
