@@ -93,3 +93,23 @@ async def test_a_lent_stream_broken_on_its_prefill_worker_is_resumed_on_a_decode
     (cont,) = d.requests
     assert cont["max_tokens"] == 7 and lent["max_tokens"] == 10
     assert await _lent(c) == 1
+
+
+async def test_with_kv_aware_routing_a_lent_prompt_is_recorded_on_the_prefill_worker_it_ran_on(
+    make_cluster,
+) -> None:
+    """KV-aware routing on: the lent request is placed with reason ``lent`` and its prompt recorded on P,
+    whose prefix cache now holds it (a later long prompt sharing it prefers that P)."""
+    c = await make_cluster(
+        n_prefill=1, n_decode=1, policy__lend_max_active=1, kv_routing__enabled=True, kv_routing__block_size=4
+    )
+    (p,), (d,) = c.prefill, c.decode
+    c.state.balancer.decode.workers[0].active = 5  # D looks busier than the idle P: the request is lent
+    prompt = " ".join(
+        ["hello world"] * 4
+    )  # counted exactly (not provably short by its bytes), under 32 tokens
+    r = await c.router.post("/v1/completions", json=_body(2, stream=False, prompt=prompt))
+    assert r.status == 200 and len(p.requests) == 1 and d.requests == []
+    text = await (await c.router.get("/metrics")).text()
+    assert 'pd_router_decode_placements_total{reason="lent"} 1.0' in text
+    assert c.state.balancer.prefixes is not None and c.state.balancer.prefixes.blocks() > 0  # recorded on P
