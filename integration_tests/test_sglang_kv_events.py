@@ -33,7 +33,7 @@ PREFIX = "".join(f"entry_{i} = lookup(entry_{i - 1}, {i * 5})\n" for i in range(
 @pytest.fixture(scope="module")
 def cluster(start_servers, tiny_model: Path, log_dir: Path, tmp_path_factory) -> dict[str, Any]:
     """P0 (no events), P1 (publishing KV events) and D; pd-router over them with KV-aware routing."""
-    ports = {name: free_port() for name in ("p0", "p1", "events")}
+    ports = {name: free_port() for name in ("p1", "events")}
     events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ports['events']}", "bind": True}
 
     def prefill(name: str, core: int, extra: tuple[str, ...] = ()) -> ManagedServer:
@@ -48,12 +48,17 @@ def cluster(start_servers, tiny_model: Path, log_dir: Path, tmp_path_factory) ->
             env=ENV,
         )
 
-    p0 = prefill("p0", 0)
+    # P1 binds the events port late in its start-up, and SGLang servers pick their own internal ports while
+    # they start: started together, P0 or D once took that port first (CI: "Address already in use"). So
+    # P1 starts alone, and the others (and P0's bootstrap port) are picked once it holds its ports.
     p1 = prefill("p1", 1, ("--kv-events-config", json.dumps(events)))
+    start_servers(p1)
+    ports["p0"] = free_port()
+    p0 = prefill("p0", 0)
     decode = sglang_server(
         tiny_model, log_dir=log_dir, name="sglang-kv-d", cpu_core=0, disaggregation_mode="decode", env=ENV
     )
-    start_servers(p0, p1, decode)
+    start_servers(p0, decode)
     config = write_router_config(
         tmp_path_factory.mktemp("sglang-kv") / "router.toml",
         flow="sglang-bootstrap",
