@@ -78,6 +78,11 @@ class Pool:
     def usable(self) -> list[Worker]:
         return [w for w in self.workers if w.usable()]
 
+    def lendable(self) -> list[Worker]:
+        """Usable workers with no prefill leg in flight: those a short request may be lent to (P pool;
+        ``ThresholdPolicy``, ``Balancer.place_lent``)."""
+        return [w for w in self.usable() if not w.outstanding_tokens]
+
     def find(self, url: str) -> Worker | None:
         return next((w for w in self.workers if w.url == url), None)
 
@@ -85,12 +90,11 @@ class Pool:
         usable = self.usable()
         if not usable:
             return PoolLoad()
-        lendable = [w.active for w in usable if not w.outstanding_tokens]
         return PoolLoad(
             workers=len(usable),
             min_outstanding_tokens=min(w.outstanding_tokens for w in usable),
             min_active=min(w.active for w in usable),
-            lendable_min_active=min(lendable, default=None),
+            lendable_min_active=min((w.active for w in self.lendable()), default=None),
         )
 
     def notify(self) -> None:
@@ -229,7 +233,7 @@ class Balancer:
     def place_lent(self, hashes: Sequence[int] = ()) -> Placement:
         """The prefill worker a short request the policy lent (reason ``lent``) runs on alone: of those with no
         prefill leg in flight, the least active (ties at random); the policy saw it below its limits."""
-        idle = [w for w in self.prefill.usable() if not w.outstanding_tokens]
+        idle = self.prefill.lendable()
         if not idle:
             return Placement(None)
         least = min(w.active for w in idle)
