@@ -34,7 +34,8 @@ from integration_tests.pd_checks import metric
 from pd_disagg.engines import base_url, router_server, vllm_server, write_router_config
 from pd_disagg.servers import ManagedServer, free_port
 
-SYSTEMS = ("aggregated", "aggregated_slo", "pd", "pd_lend", "pd_lend_slo", "nixl")
+PD_SYSTEMS = ("pd", "pd_lend", "pd_lend_slo")  # P with PDConnector on core 0, D on core 1
+SYSTEMS = ("aggregated", "aggregated_slo", *PD_SYSTEMS, "nixl")
 #: ``pd_lend``'s ``policy.lend_max_active``: above the requests one engine of these runs holds at once, so the
 #: balance against D's load, not this cap, decides how many short requests P takes.
 LEND_MAX_ACTIVE = 64
@@ -87,7 +88,7 @@ class System:
     def kv_counters(self) -> dict[str, float]:
         """Counters that show KV movement: bytes P sent and loads that failed (``pd`` and its lending kin),
         bytes D pulled and failed transfers (``nixl``); nothing for the aggregated systems (no connector)."""
-        if self.name.startswith("pd"):
+        if self.name in PD_SYSTEMS:
             p, d = (base_url(s) for s in self.engines)
             return {
                 "kv_bytes": metric(p, "vllm:pd_connector_bytes_sent_total"),
@@ -146,7 +147,7 @@ def build(
         engines = [engine(f"e{core}", core, extra_args=extra, env=env) for core in (0, 1)]
         config = {"flow": "pd-push", "sections": sections, "decode": [{"url": base_url(e)} for e in engines]}
         return System(name, engines, config, log_dir)
-    if name in ("pd", "pd_lend", "pd_lend_slo"):
+    if name in PD_SYSTEMS:
         side = free_port()
         p = engine(
             "prefill",
