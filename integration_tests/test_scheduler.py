@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 import aiohttp
 import pytest
 
-from integration_tests.pd_checks import token_stream_body
+from integration_tests.pd_checks import blocks_idle, token_stream_body
 from pd_disagg.engines import base_url, vllm_server
 from pd_disagg.servers import ManagedServer
 from scheduler_plugins.config import SchedulerSettings
-from tests.polling import wait_until_async
+from tests.polling import wait_until, wait_until_async
 
 BUDGET_LINE = re.compile(
     r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+) budget=(?P<budget>\d+) "
@@ -112,21 +112,47 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_greedy_outputs_identical_to_default_scheduler(servers: dict[str, ManagedServer]) -> None:
-    """A concurrent batch (short and long prompts) gives the same tokens; ours really chunked the prompts."""
+    """A concurrent batch (short and long prompts) beside a running stream gives the same tokens; ours
+    really chunked the prompts while the stream ran (with no decode running, a prompt is not chunked)."""
     prompts = [_prompt(1, 20), _prompt(2, 700), _prompt(3, 300), _prompt(4, 900)]
     since = _log_size(servers["ours"])
 
     async def batch(server: ManagedServer, xargs: dict[str, Any] | None) -> list[list[int]]:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            stream_times: list[float] = []
+            stream = asyncio.create_task(_complete(session, server, _prompt(5, 16), 400, xargs, stream_times))
+            await wait_until_async(lambda: len(stream_times) >= 3, 60, "the stream decoding")
             results = await asyncio.gather(*(_complete(session, server, p, 24, xargs) for p in prompts))
-        return [ids for ids, _ in results]
+            stream_ids, _ = await stream
+        return [stream_ids, *(ids for ids, _ in results)]
 
     reference = asyncio.run(batch(servers["default"], None))
     ours = asyncio.run(batch(servers["ours"], {"itl_target_ms": 5}))  # a tight target: small chunks
     assert ours == reference
-    assert all(len(ids) == 24 for ids in ours)
-    chunks = [line.chunk for line in _budget_lines(servers["ours"], since) if line.target_ms == 5]
-    assert chunks and max(chunks) < 900, "the long prompts were not split into chunks"
+    assert len(ours[0]) == 400 and all(len(ids) == 24 for ids in ours[1:])
+    lines = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 5]
+    chunks = [line.chunk for line in lines if line.decodes]
+    assert chunks and max(chunks) < 900, "the long prompts were not split into chunks beside the stream"
+
+
+def test_a_prompt_with_no_decode_beside_it_is_prefilled_in_one_step(
+    servers: dict[str, ManagedServer],
+) -> None:
+    """No client is between two tokens, so a tight ITL target does not chunk a lone prompt
+    (``budget.step_limit_s``): one step with the engine's whole cap prefills it."""
+    url = base_url(servers["ours"])
+    wait_until(lambda: blocks_idle(url), 60, "the server idle")  # no stream of another test still running
+    since = _log_size(servers["ours"])
+
+    async def one() -> list[int]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            ids, _ = await _complete(session, servers["ours"], _prompt(300, 900), 4, {"itl_target_ms": 6})
+        return ids
+
+    assert len(asyncio.run(one())) == 4
+    lines = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 6]
+    assert len(lines) == 1, f"the lone prompt was planned in {len(lines)} steps: {lines}"
+    assert lines[0].decodes == 0 and lines[0].chunk >= 900 and lines[0].budget >= 900
 
 
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
@@ -195,8 +221,9 @@ def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> Non
     asyncio.run(run(400.0, 100))
     asyncio.run(run(8.0, 200))
     lines = _budget_lines(servers["ours"], since)
-    loose = [line.chunk for line in lines if line.target_ms == 400]
-    tight = [line.chunk for line in lines if line.target_ms == 8]
+    # Steps with a decode beside the prefill: a lone prefill is never chunked, whatever the target.
+    loose = [line.chunk for line in lines if line.target_ms == 400 and line.decodes]
+    tight = [line.chunk for line in lines if line.target_ms == 8 and line.decodes]
     assert loose and tight
     assert statistics.median(tight) < statistics.median(loose)
     assert min(tight) >= MIN_CHUNK and all(chunk % ALIGN == 0 for chunk in tight)  # aligned, >= minimum

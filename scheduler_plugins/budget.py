@@ -10,11 +10,13 @@ Guarantees the tests check:
   and is the whole room the cap leaves when that fits the target;
 - the chunk is at least ``min_chunk`` whenever the engine cap allows, even when the decodes alone already
   exceed the target: every pending prefill makes progress each step, so nothing starves;
-- otherwise the chunk is the largest aligned size whose predicted step time stays within the target.
+- otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
+- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -38,6 +40,21 @@ class StepPlan:
             decodes=self.decodes,
             attended_context=decode_pairs + (attended_pairs(chunk, self.prefill_cached) if chunk else 0.0),
         )
+
+
+def step_limit_s(plan: StepPlan, itl_limit_s: float, chunk_lone_prefill: bool) -> float:
+    """How long the step may take: ``itl_limit_s`` (headroom x the ITL target) when a decode shares it.
+
+    With no decode in the step (``plan.decodes == 0``: no stream running and, on a decode node, no remote
+    load waiting) no client is between two tokens, so nothing limits the step and the prefill takes the
+    whole room the engine cap leaves. Chunking a lone prefill to the ITL target only slows it: each chunk
+    pays the step's fixed cost and re-reads the prompt's KV so far (docs/scheduler.md, Budget).
+    ``chunk_lone_prefill`` keeps the ITL limit anyway, for servers where a request arriving mid-prefill must
+    start within one small step.
+    """
+    if plan.decodes or chunk_lone_prefill:
+        return itl_limit_s
+    return math.inf
 
 
 def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, min_chunk: int) -> int:

@@ -59,6 +59,9 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # Steps the cost model must have measured (prefill steps among them) before the scheduler judges
     # whether the target can be held (logged once, then on every change of the verdict).
     verdict_after_steps: Annotated[int, msgspec.Meta(ge=1)] = 32
+    # A prefill with no decode beside it takes the engine's whole cap (budget.step_limit_s says why); True
+    # chunks it to the ITL target anyway, so a request arriving mid-prefill waits at most one small step.
+    chunk_lone_prefill: bool = False
 
     def chunk_align(self, block_size: int) -> int:
         """Granularity of prefill chunks: the KV block size unless set."""

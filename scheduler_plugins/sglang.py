@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_connector.sglang.compat import scheduler as compat
-from scheduler_plugins.budget import StepPlan, explain, prefill_chunk
+from scheduler_plugins.budget import StepPlan, explain, prefill_chunk, step_limit_s
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 
@@ -82,7 +82,7 @@ class SLOChunker:
             prefill_cached=view.candidate_cached,
             max_step_tokens=self.engine_cap,
         )
-        limit_s = target_ms / 1e3 * self.slo.headroom
+        limit_s = step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill)
         chunk = prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk)
         self.last_chunk = chunk
         self._log(target_ms, chunk, plan, limit_s)

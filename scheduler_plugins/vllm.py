@@ -40,7 +40,14 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from pd_connector.vllm import compat
-from scheduler_plugins.budget import StepPlan, deadline_order, explain, partial_share, prefill_chunk
+from scheduler_plugins.budget import (
+    StepPlan,
+    deadline_order,
+    explain,
+    partial_share,
+    prefill_chunk,
+    step_limit_s,
+)
 from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 from scheduler_plugins.step_clock import (
@@ -194,9 +201,10 @@ class SLOScheduler(Scheduler):
             prefill_cached=compat.computed_tokens(candidate),
             max_step_tokens=self._engine_cap,
         )
-        limit_s = target_ms / 1e3 * self.slo.headroom
+        itl_limit_s = target_ms / 1e3 * self.slo.headroom
+        limit_s = step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill)
         chunk = prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk)
-        self._judge(plan, limit_s, target_ms)
+        self._judge(plan, itl_limit_s, target_ms)
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
         # A prefill under way leaves room in its step for waiting prompts that fit (a new stream's prompt).
         share = (

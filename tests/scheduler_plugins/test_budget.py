@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_plugins.budget import StepPlan, deadline_order, partial_share, prefill_chunk
+from scheduler_plugins.budget import StepPlan, deadline_order, partial_share, prefill_chunk, step_limit_s
 from scheduler_plugins.cost_model import CostModel, StepShape
 
 # A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode; attention free (d=0) for exact arithmetic.
@@ -70,6 +70,20 @@ def test_target_change_moves_the_budget() -> None:
         prefill_chunk(CostModel(LAW), _plan(), limit_s=t, align=32, min_chunk=32) for t in (0.05, 0.1, 0.3)
     ]
     assert chunks == sorted(chunks) and chunks[0] < chunks[-1]
+
+
+def test_a_step_with_one_decode_keeps_the_itl_limit() -> None:
+    assert step_limit_s(_plan(decodes=1), 0.085, chunk_lone_prefill=False) == 0.085
+
+
+def test_a_prefill_with_no_decode_beside_it_takes_the_whole_room() -> None:
+    """No client is between two tokens: no limit, so the chunk is the room the cap leaves, unaligned."""
+    plan = _plan(decodes=0, cap=1000)
+    limit = step_limit_s(plan, 0.085, chunk_lone_prefill=False)
+    assert prefill_chunk(CostModel(LAW), plan, limit_s=limit, align=32, min_chunk=32) == 1000
+    # Opted out: the lone prefill is chunked to the ITL limit (20 + chunk ms <= 85 ms -> 64).
+    chunked = step_limit_s(plan, 0.085, chunk_lone_prefill=True)
+    assert prefill_chunk(CostModel(LAW), plan, limit_s=chunked, align=32, min_chunk=32) == 64
 
 
 def test_rejects_nonpositive_alignment() -> None:

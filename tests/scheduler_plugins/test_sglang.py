@@ -106,10 +106,23 @@ def test_a_partial_prefill_gets_the_chunk_with_its_depth(monkeypatch: pytest.Mon
     chunker = _started(monkeypatch, scheduler, itl_target_ms="100")
     chunker.cost_model = CostModel((0.020, 1e-3, 1e-3, 1e-6))  # + 1 us per attended pair
     scheduler.waiting_queue = [FakeReq(list(range(1000)))]
-    shallow = _prefill(scheduler, _running())
+    shallow = _prefill(scheduler, _running(10))
     scheduler.chunked_req = FakeReq(list(range(2000)), extend_end=1500)
-    deep = _prefill(scheduler, _running())
+    deep = _prefill(scheduler, _running(10))
     assert shallow is not None and deep is not None and deep < shallow
+
+
+@pytest.mark.parametrize(("chunk_lone", "expected"), [("false", CAP), ("true", 64)])
+def test_a_prefill_with_no_decode_beside_it_takes_the_whole_cap(
+    monkeypatch: pytest.MonkeyPatch, chunk_lone: str, expected: int
+) -> None:
+    """No stream is between two tokens, so the ITL target does not chunk it (unless chunk_lone_prefill)."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="100", chunk_lone_prefill=chunk_lone)
+    chunker.cost_model = CostModel(LAW)
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    # 20 + chunk ms <= 85 ms -> 64 (16-token units) when chunked.
+    assert _prefill(scheduler, _running()) == expected
 
 
 def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
