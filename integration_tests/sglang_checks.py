@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from integration_tests.pd_checks import metric
-from integration_tests.sglang_client import Reply, generate_pd, get_json, post
+from integration_tests.sglang_client import Reply, body, generate_pd, get_json, post, streaming
 from pd_disagg.engines import base_url
 from pd_disagg.servers import ManagedServer
 from pd_disagg.tiny_model import PRESETS
@@ -28,6 +28,8 @@ LONG_PROMPT = "".join(f"value_{i} = compute(value_{i - 1}, {i})\n" for i in rang
 CHUNK_TOKENS = 48
 # The SLO scheduler's prompt: prefilled once in 16-token chunks (aggregated) and once by the stock P/D pair.
 SLO_PROMPT = "".join(f"total_{i} = merge(total_{i - 1}, {i * 7})\n" for i in range(1, 16))
+#: The stream running beside ``SLO_PROMPT``: long enough to decode through its whole prefill.
+COMPANION_PROMPT, COMPANION_TOKENS = "The list of primes starts", 400
 SLO_MIN_CHUNK = 16  # scheduler_plugins' minimum chunk (one 16-token alignment unit) on SGLang's 1-token pages
 NUM_LAYERS = PRESETS["tiny"].num_layers
 MAX_NEW_TOKENS = 12
@@ -172,8 +174,8 @@ class Aggregated:
 def assert_slo_chunks(aggregated: Aggregated, loose_target_ms: float) -> None:
     """From the SLO-scheduled server's log: before the tight request, every decision at the server's loose
     target was SGLang's own chunk size; during it, every decision was the minimum chunk at the request's 1 ms
-    target, and SGLang ran the prompt in exactly such chunks (SGLang's own "Prefill batch" lines: new tokens
-    per step, and the cached prefix of the first)."""
+    target (a stream decoding beside it), and SGLang ran the prompt in exactly such chunks (SGLang's own
+    "Prefill batch" lines: new tokens per step, and the cached prefix of the first)."""
     assert aggregated.slo_reply.ok, aggregated.slo_reply
     prompt_tokens = int(aggregated.slo_reply.body["meta_info"]["prompt_tokens"])
     reference_log, slo_log = aggregated.reference_log, aggregated.slo_log
@@ -192,13 +194,20 @@ def answer_with_target(
     server: ManagedServer, prompt: str, max_new_tokens: int, itl_target_ms: float
 ) -> tuple[Reply, str, str]:
     """Greedy ``/generate`` with the request's own ITL target (``custom_params``, read by
-    scheduler_plugins.sglang); returns the reply and the server log before and during the request."""
-    logged = len(server.log_path.read_bytes())
-    sampling = {
-        "temperature": 0,
-        "max_new_tokens": max_new_tokens,
-        "custom_params": {"itl_target_ms": itl_target_ms},
-    }
-    reply = post(base_url(server) + "/generate", {"text": prompt, "sampling_params": sampling}, timeout_s=120)
-    log = server.log_path.read_bytes()
+    scheduler_plugins.sglang), sent while another request streams: its prefill shares every step with a
+    decode (a prefill alone is not chunked, ``budget.step_limit_s``). Returns the reply and the server log
+    before and during the request."""
+    companion = body(COMPANION_PROMPT, COMPANION_TOKENS, None, None)
+    companion["sampling_params"]["ignore_eos"] = True
+    with streaming(base_url(server), companion, events=3, timeout_s=120) as seen:
+        assert seen == 3, f"the companion stream ended after {seen} events"
+        logged = len(server.log_path.read_bytes())
+        sampling = {
+            "temperature": 0,
+            "max_new_tokens": max_new_tokens,
+            "custom_params": {"itl_target_ms": itl_target_ms},
+        }
+        payload = {"text": prompt, "sampling_params": sampling}
+        reply = post(base_url(server) + "/generate", payload, timeout_s=120)
+        log = server.log_path.read_bytes()
     return reply, log[:logged].decode(errors="replace"), log[logged:].decode(errors="replace")

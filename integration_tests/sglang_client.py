@@ -9,12 +9,14 @@ Runs in the pytest process; stdlib only, so it cannot hide a protocol detail beh
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +99,12 @@ def generate_pd(
         return p.result(), d.result()
 
 
-def stream_then_disconnect(base_url: str, payload: dict[str, Any], chunks: int, timeout_s: float) -> int:
-    """Stream ``payload`` and close the connection after ``chunks`` SSE events (a client abort).
+@contextlib.contextmanager
+def streaming(base_url: str, payload: dict[str, Any], events: int, timeout_s: float) -> Iterator[int]:
+    """Stream ``payload`` and yield once ``events`` SSE events have arrived, the request still running;
+    close the connection on leaving (a client abort if it has not finished).
 
-    Returns the number of events read (fewer when the stream ended first).
+    Yields the number of events read (fewer when the stream ended first).
     """
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
@@ -113,15 +117,24 @@ def stream_then_disconnect(base_url: str, payload: dict[str, Any], chunks: int, 
         )
         resp = conn.getresponse()
         seen = 0
-        while seen < chunks:
+        while seen < events:
             line = resp.readline()
             if not line:
                 break
             if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
                 seen += 1
-        return seen
+        yield seen
     finally:
         conn.close()
+
+
+def stream_then_disconnect(base_url: str, payload: dict[str, Any], chunks: int, timeout_s: float) -> int:
+    """Stream ``payload`` and close the connection after ``chunks`` SSE events (a client abort).
+
+    Returns the number of events read (fewer when the stream ended first).
+    """
+    with streaming(base_url, payload, chunks, timeout_s) as seen:
+        return seen
 
 
 def get_json(url: str, timeout_s: float = 10) -> Any:
