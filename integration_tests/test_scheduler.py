@@ -155,6 +155,41 @@ def test_a_prompt_with_no_decode_beside_it_is_prefilled_in_one_step(
     assert lines[0].decodes == 0 and lines[0].chunk >= 900 and lines[0].budget >= 900
 
 
+def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks(
+    servers: dict[str, ManagedServer],
+) -> None:
+    """Beside a running stream at a 5 ms ITL target, a 900-token prompt takes ~57 steps of the 16-token
+    minimum; with a 250 ms TTFT target its chunks grow as far as the deadline needs (budget.deadline_chunk),
+    so it is prefilled in far fewer, larger steps. Prompts of one length beside one stream; only the TTFT
+    target differs."""
+
+    async def prefill(seed: int, ttft_target_ms: float) -> list[BudgetLine]:
+        since = _log_size(servers["ours"])
+        times: list[float] = []
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            stream = asyncio.create_task(
+                _complete(session, servers["ours"], _prompt(30, 16), DECODE_TOKENS, None, times)
+            )
+            try:
+                await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
+                xargs = {"itl_target_ms": 5, "ttft_target_ms": ttft_target_ms}
+                ids, _ = await _complete(session, servers["ours"], _prompt(seed, 900), 4, xargs)
+            finally:
+                stream.cancel()
+                await asyncio.gather(stream, return_exceptions=True)
+        assert len(ids) == 4
+        return [
+            line for line in _budget_lines(servers["ours"], since) if line.target_ms == 5 and line.decodes
+        ]
+
+    # Two prompts of one length, neither cached (a cached prompt would need few steps whatever the target).
+    patient = asyncio.run(prefill(31, 3_600_000))
+    hurried = asyncio.run(prefill(32, 250))
+    assert patient and hurried
+    assert len(hurried) * 2 < len(patient), (hurried, patient)
+    assert max(line.chunk for line in hurried) > max(line.chunk for line in patient), (hurried, patient)
+
+
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
     """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (minimum
     chunk every step), and every one of its chunk steps also decodes every stream (no freeze).
@@ -182,7 +217,9 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
                 await wait_until_async(
                     lambda: min(len(t) for t in decode_times) >= 3, 60, "every stream decoding"
                 )
-                long_ids, _ = await _complete(session, servers["ours"], _prompt(20, 900), 4, strict)
+                # No TTFT deadline within reach: this test is about the ITL floor alone.
+                patient = {**strict, "ttft_target_ms": 3_600_000}
+                long_ids, _ = await _complete(session, servers["ours"], _prompt(20, 900), 4, patient)
             finally:
                 for d in decodes:
                     d.cancel()

@@ -11,7 +11,10 @@ Guarantees the tests check:
 - the chunk is at least ``min_chunk`` whenever the engine cap allows, even when the decodes alone already
   exceed the target: every pending prefill makes progress each step, so nothing starves;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
-- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room.
+- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room;
+- ``deadline_chunk`` is the smallest aligned chunk with which the rest of a prefill is predicted to end by its
+  TTFT deadline (the adapter takes the larger of it and ``prefill_chunk``); 0 when no chunk the step can
+  take would do it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,38 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
     if lo == room // align and room % align and model.predict(plan.shape(room)) <= limit_s:
         return room  # the whole room fits: the cap, not the alignment, bounds the chunk
     return min(room, max(lo * align, min_chunk))
+
+
+def deadline_chunk(model: CostModel, plan: StepPlan, remaining: int, time_left_s: float, align: int) -> int:
+    """Smallest ``align``-multiple chunk with which the ``remaining`` prompt tokens of the prefill under way
+    are predicted to be computed within ``time_left_s`` (to its TTFT deadline), the decodes staying as they
+    are; 0 when none fits the room the cap leaves (the deadline is lost whatever this step does, so the ITL
+    target alone sizes the chunk) or nothing remains.
+
+    Why: chunks sized to the ITL target alone made a long prompt beside running streams take as many steps as
+    the target allowed, however late its first token got. Raising every remaining chunk evenly to this size
+    meets the deadline with the smallest steps that can, so the streams' gaps grow as little as needed.
+    The rest of the prefill in ``n`` steps is predicted as ``n`` x the decode part of a step plus the
+    prefill's own work, which does not depend on the chunking: the model is linear in the step's shape, and
+    the attended pairs of all chunks add up to those of the whole remainder.
+    """
+    room = plan.max_step_tokens - plan.decodes
+    if remaining <= 0 or room <= 0 or align <= 0:
+        return 0
+    per_step = model.predict(plan.shape(0))
+    nothing = model.predict(StepShape(0, 0, 0.0))
+    prefill_work = (
+        model.predict(StepShape(remaining, 0, attended_pairs(remaining, plan.prefill_cached))) - nothing
+    )
+    spare = time_left_s - prefill_work
+    if spare < per_step:
+        return 0
+    steps = int(spare // per_step) if per_step > 0 else remaining
+    chunk = -(-remaining // max(1, steps))
+    chunk = -(-chunk // align) * align
+    if chunk > room:
+        return room if room >= remaining else 0
+    return chunk
 
 
 def partial_share(chunk: int, waiting_prompts: Iterable[int], min_chunk: int) -> int:

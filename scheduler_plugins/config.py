@@ -62,6 +62,10 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # A prefill with no decode beside it takes the engine's whole cap (budget.step_limit_s says why); True
     # chunks it to the ITL target anyway, so a request arriving mid-prefill waits at most one small step.
     chunk_lone_prefill: bool = False
+    # Colocated and decode modes: a prefill's chunks grow as far as needed for it to end by its TTFT deadline
+    # (arrival + ttft_target_ms), evenly over its remaining steps (budget.deadline_chunk); False: the ITL
+    # target alone sizes them, however late the first token gets.
+    ttft_aware_chunks: bool = True
 
     def chunk_align(self, block_size: int) -> int:
         """Granularity of prefill chunks: the KV block size unless set."""

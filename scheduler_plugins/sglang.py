@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_connector.sglang.compat import scheduler as compat
-from scheduler_plugins.budget import StepPlan, explain, prefill_chunk, step_limit_s
+from scheduler_plugins.budget import StepPlan, deadline_chunk, explain, prefill_chunk, step_limit_s
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 ENABLE_ENV = "PD_SGLANG_SCHEDULER"
 ENABLE_VALUE = "slo"
 ITL_TARGET_ARG = "itl_target_ms"  # per request, in ``sampling_params.custom_params``
+TTFT_TARGET_ARG = "ttft_target_ms"  # likewise
 #: Steps started but not yet ended (two with the overlap scheduler); a bound, so a step whose result never
 #: comes cannot grow the queue.
 _MAX_IN_FLIGHT = 4
@@ -74,7 +75,12 @@ class SLOChunker:
         pending (SGLang's value stays)."""
         if view.candidate_cached is None:
             return None
-        target_ms = min([self.slo.itl_target_ms, *(self._target_ms(p) for p in view.targets)])
+        target_ms = min(
+            [
+                self.slo.itl_target_ms,
+                *(self._target_ms(p, ITL_TARGET_ARG, self.slo.itl_target_ms) for p in view.targets),
+            ]
+        )
         decodes = len(view.decode_lengths)
         plan = StepPlan(
             decodes=decodes,
@@ -83,19 +89,33 @@ class SLOChunker:
             max_step_tokens=self.engine_cap,
         )
         limit_s = step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill)
-        chunk = prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk)
+        chunk = max(
+            prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk),
+            self._deadline_chunk(plan, view),
+        )
         self.last_chunk = chunk
         self._log(target_ms, chunk, plan, limit_s)
         return max(1, min(self.engine_cap, decodes + chunk))
 
-    def _target_ms(self, params: Any) -> float:
-        value = params.get(ITL_TARGET_ARG) if isinstance(params, Mapping) else None
+    def _deadline_chunk(self, plan: StepPlan, view: compat.PrefillView) -> int:
+        """The chunk with which the candidate's prefill is predicted to end by its TTFT deadline (0: the ITL
+        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway)."""
+        if not self.slo.ttft_aware_chunks:
+            return 0
+        ttft_s = self._target_ms(view.candidate_params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
+        time_left_s = (ttft_s - view.candidate_waited_s) * self.slo.headroom
+        return deadline_chunk(self.cost_model, plan, view.candidate_remaining, time_left_s, self.align)
+
+    def _target_ms(self, params: Any, key: str, default: float) -> float:
+        """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or
+        invalid."""
+        value = params.get(key) if isinstance(params, Mapping) else None
         if value is None:
-            return self.slo.itl_target_ms
+            return default
         target = positive_ms(value)
         if target is None:
-            logger.warning("ignoring invalid custom_params %s=%r", ITL_TARGET_ARG, value)
-            return self.slo.itl_target_ms
+            logger.warning("ignoring invalid custom_params %s=%r", key, value)
+            return default
         return target
 
     def step_started(self, rows: list[tuple[int, int]]) -> None:

@@ -42,6 +42,7 @@ from vllm.v1.request import Request
 from pd_connector.vllm import compat
 from scheduler_plugins.budget import (
     StepPlan,
+    deadline_chunk,
     deadline_order,
     explain,
     partial_share,
@@ -203,7 +204,10 @@ class SLOScheduler(Scheduler):
         )
         itl_limit_s = target_ms / 1e3 * self.slo.headroom
         limit_s = step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill)
-        chunk = prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk)
+        chunk = max(
+            prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk),
+            self._deadline_chunk(plan, candidate),
+        )
         self._judge(plan, itl_limit_s, target_ms)
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
         # A prefill under way leaves room in its step for waiting prompts that fit (a new stream's prompt).
@@ -216,12 +220,24 @@ class SLOScheduler(Scheduler):
         self._set_budget(max(1, budget), max(1, threshold))
         self._log_budget(target_ms, chunk, share, plan, limit_s)
 
+    def _deadline_chunk(self, plan: StepPlan, candidate: Request) -> int:
+        """The chunk with which ``candidate``'s prefill is predicted to end by its TTFT deadline (0: the ITL
+        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway)."""
+        if not self.slo.ttft_aware_chunks:
+            return 0
+        time_left_s = (self._deadline(candidate) - time.time()) * self.slo.headroom
+        return deadline_chunk(
+            self.cost_model, plan, compat.pending_tokens(candidate), time_left_s, self._align
+        )
+
     def _judge(self, plan: StepPlan, limit_s: float, target_ms: float) -> None:
         """Say in the log whether the target can be held, once the model has measured enough steps: the
         first verdict, then whenever the effective target changes, and when the verdict changes (at most
-        every ``VERDICT_INTERVAL_S``)."""
+        every ``VERDICT_INTERVAL_S``). Only steps with a decode in them are judged: the target is about the
+        decodes' gaps, and a "holds" from a prefill alone would stand for the whole interval."""
         if (
-            self.cost_model.observations < self.slo.verdict_after_steps
+            not plan.decodes
+            or self.cost_model.observations < self.slo.verdict_after_steps
             or not self.cost_model.prefill_observations
         ):
             return

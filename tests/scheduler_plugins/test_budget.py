@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_plugins.budget import StepPlan, deadline_order, partial_share, prefill_chunk, step_limit_s
+from scheduler_plugins.budget import (
+    StepPlan,
+    deadline_chunk,
+    deadline_order,
+    partial_share,
+    prefill_chunk,
+    step_limit_s,
+)
 from scheduler_plugins.cost_model import CostModel, StepShape
 
 # A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode; attention free (d=0) for exact arithmetic.
@@ -84,6 +91,70 @@ def test_a_prefill_with_no_decode_beside_it_takes_the_whole_room() -> None:
     # Opted out: the lone prefill is chunked to the ITL limit (20 + chunk ms <= 85 ms -> 64).
     chunked = step_limit_s(plan, 0.085, chunk_lone_prefill=True)
     assert prefill_chunk(CostModel(LAW), plan, limit_s=chunked, align=32, min_chunk=32) == 64
+
+
+def test_deadline_chunk_spreads_the_rest_evenly_over_the_steps_left() -> None:
+    """4 decodes: 24 ms per step besides the prefill's own 1 ms per token. 256 tokens with 352 ms left: 256 ms
+    of prefill work and 4 steps of 24 ms, so chunks of 64; a hair less time allows 3 steps, so chunks of 96
+    (86 aligned up)."""
+    model, plan = CostModel(LAW), _plan(decodes=4)
+    assert deadline_chunk(model, plan, remaining=256, time_left_s=0.352 + 1e-12, align=32) == 64
+    assert deadline_chunk(model, plan, remaining=256, time_left_s=0.3519, align=32) == 96
+    # Time for many steps: the floor is one alignment unit (the ITL chunk then decides).
+    assert deadline_chunk(model, plan, remaining=256, time_left_s=60.0, align=32) == 32
+
+
+def test_deadline_chunk_is_zero_when_the_deadline_is_lost_or_nothing_remains() -> None:
+    model = CostModel(LAW)
+    # Not even one step fits (256 + 24 ms > 279 ms), or the time is already up.
+    assert deadline_chunk(model, _plan(decodes=4), remaining=256, time_left_s=0.279, align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4), remaining=256, time_left_s=-1.0, align=32) == 0
+    # One step would do, but the cap leaves room for 96 of the 256 tokens: lost whatever this step takes.
+    assert deadline_chunk(model, _plan(decodes=4, cap=100), remaining=256, time_left_s=0.3, align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4), remaining=0, time_left_s=1.0, align=32) == 0
+
+
+def test_deadline_chunk_takes_the_whole_rest_when_one_step_must_do() -> None:
+    """One step left for 250 tokens: the chunk is the rest aligned up (256), within the room of 296."""
+    plan = _plan(decodes=4, cap=300)
+    assert deadline_chunk(CostModel(LAW), plan, remaining=250, time_left_s=0.250 + 0.024, align=32) == 256
+    # A room of 250 (cap 254, 4 decodes) holds the rest but not its aligned size: the room.
+    assert deadline_chunk(CostModel(LAW), _plan(decodes=4, cap=254), 250, 0.274, align=32) == 250
+
+
+@given(
+    decodes=st.integers(0, 64),
+    remaining=st.integers(1, 4000),
+    cached=st.integers(0, 4000),
+    time_left_ms=st.floats(1.0, 20000.0),
+    align=st.sampled_from([16, 32]),
+)
+def test_deadline_chunk_meets_the_deadline_and_is_the_smallest_that_does(
+    decodes: int, remaining: int, cached: int, time_left_ms: float, align: int
+) -> None:
+    """Stepping the prefill chunk by chunk (attention included, cached context growing) takes at most the
+    time left with the chunk returned, and more with the next smaller aligned chunk."""
+    model = CostModel((0.02, 1e-3, 1e-3, 1e-7))
+    plan = _plan(decodes=decodes, cap=8192, cached=cached)
+
+    def predicted(chunk: int) -> float:
+        done, total = 0, 0.0
+        while done < remaining:
+            step = min(chunk, remaining - done)
+            total += model.predict(
+                StepPlan(plan.decodes, plan.decode_context, cached + done, plan.max_step_tokens).shape(step)
+            )
+            done += step
+        return total
+
+    chunk = deadline_chunk(model, plan, remaining, time_left_ms / 1e3, align)
+    if chunk == 0:
+        assert predicted(min(remaining, 8192 - decodes)) > time_left_ms / 1e3 * (1 - 1e-9)
+        return
+    assert chunk % align == 0 or chunk == 8192 - decodes
+    assert predicted(chunk) <= time_left_ms / 1e3 * (1 + 1e-9)
+    if chunk > align:
+        assert predicted(chunk - align) > time_left_ms / 1e3 * (1 - 1e-9)
 
 
 def test_rejects_nonpositive_alignment() -> None:

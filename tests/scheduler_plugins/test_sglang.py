@@ -6,6 +6,7 @@ calls them: AROUND with the original first, BEFORE with the arguments, AFTER wit
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +29,7 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
     extend_end: int | None = None
     sampling_params: Any = field(default_factory=lambda: SimpleNamespace(custom_params=None))
+    time_stats: Any = None  # SGLang's SchedulerReqTimeStats: scheduler_recv_time, a perf_counter() reading
 
 
 class FakeMode:
@@ -123,6 +125,33 @@ def test_a_prefill_with_no_decode_beside_it_takes_the_whole_cap(
     scheduler.waiting_queue = [FakeReq(list(range(1000)))]
     # 20 + chunk ms <= 85 ms -> 64 (16-token units) when chunked.
     assert _prefill(scheduler, _running()) == expected
+
+
+@pytest.mark.parametrize(
+    ("aware", "ttft_params", "waited_s", "expected"),
+    [
+        ("false", None, 0.0, 16),  # the ITL target alone: 20 + 3 + chunk ms <= 34 ms -> the 16-token minimum
+        # 1000 tokens of 1 ms, 23 ms per step, 0.85 x 2000 ms left: 30 steps, chunks of 34 -> 48
+        ("true", None, 0.0, 48),
+        ("true", {"ttft_target_ms": 1500}, 0.0, 96),  # its own target: 0.85 x 1500 ms, 11 steps, 91 -> 96
+        ("true", None, 0.5, 96),  # received 0.5 s ago: 0.85 x 1500 ms left, as above
+        ("true", {"ttft_target_ms": 900}, 0.0, 16),  # 1000 ms of prefill work cannot fit 765 ms: lost, ITL
+    ],
+)
+def test_the_ttft_deadline_raises_the_chunk(
+    monkeypatch: pytest.MonkeyPatch, aware: str, ttft_params: Any, waited_s: float, expected: int
+) -> None:
+    """Beside decodes, the chunk grows as far as the candidate's TTFT deadline needs (budget.deadline_chunk):
+    the server's ttft_target_ms, or the request's own in custom_params, counted from SGLang's receipt."""
+    scheduler = FakeScheduler()
+    chunker = _started(
+        monkeypatch, scheduler, itl_target_ms="40", ttft_target_ms="2000", ttft_aware_chunks=aware
+    )
+    chunker.cost_model = CostModel(LAW)
+    received = SimpleNamespace(scheduler_recv_time=time.perf_counter() - waited_s) if waited_s else None
+    params = SimpleNamespace(custom_params=ttft_params)
+    scheduler.waiting_queue = [FakeReq(list(range(1000)), sampling_params=params, time_stats=received)]
+    assert _prefill(scheduler, _running(10, 10, 10)) == 3 + expected
 
 
 def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, caplog) -> None:

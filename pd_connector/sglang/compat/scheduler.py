@@ -19,6 +19,7 @@ Imports no SGLang until a function runs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -136,33 +137,41 @@ class PrefillView(NamedTuple):
     """The step ``get_new_batch_prefill`` is about to build, read before it runs."""
 
     decode_lengths: list[int]  # tokens in the KV of each running decode (they join a mixed step)
-    candidate_cached: (
-        int | None
-    )  # tokens already computed for the prefill that gets the chunk (None: no prefill)
-    targets: list[
-        Any
-    ]  # the ``custom_params`` of the step's requests (decodes and the candidate), None if unset
+    # tokens already computed for the prefill that gets the chunk (None: no prefill)
+    candidate_cached: int | None
+    # the ``custom_params`` of the step's requests (decodes and the candidate), None if unset
+    targets: list[Any]
+    candidate_params: Any  # the candidate's ``custom_params`` (its own TTFT target), None if unset
+    candidate_remaining: int  # prompt tokens the candidate still needs computed (0: no candidate)
+    candidate_waited_s: float  # seconds since SGLang's scheduler received the candidate (0: no candidate)
 
 
 def _custom_params(req: Any) -> Any:
     return getattr(getattr(req, "sampling_params", None), "custom_params", None)
 
 
+def _waited_s(req: Any) -> float:
+    """Seconds since the scheduler received ``req`` (``time_stats.scheduler_recv_time``, a
+    ``time.perf_counter()`` reading); 0 when SGLang did not record it."""
+    received = getattr(getattr(req, "time_stats", None), "scheduler_recv_time", 0.0) or 0.0
+    return max(0.0, time.perf_counter() - float(received)) if received else 0.0
+
+
 def prefill_view(scheduler: Any, running_batch: Any) -> PrefillView:
     """The running decodes and the prefill the chunk goes to: the partial prefill under way, else the first
     waiting request (its cached prefix is not known before SGLang matches it: counted as 0)."""
     decodes = list(getattr(running_batch, "reqs", None) or [])
+    lengths = [len(r.origin_input_ids) + len(r.output_ids) for r in decodes]
+    targets = [_custom_params(r) for r in decodes]
     partial = scheduler.chunked_req
     waiting = scheduler.waiting_queue
     candidate = partial if partial is not None else (waiting[0] if waiting else None)
-    cached = None
-    if candidate is not None:
-        cached = int(candidate.extend_end or 0) if candidate is partial else 0
-    return PrefillView(
-        decode_lengths=[len(r.origin_input_ids) + len(r.output_ids) for r in decodes],
-        candidate_cached=cached,
-        targets=[_custom_params(r) for r in [*decodes, *([candidate] if candidate is not None else [])]],
-    )
+    if candidate is None:
+        return PrefillView(lengths, None, targets, None, 0, 0.0)
+    cached = int(candidate.extend_end or 0) if candidate is partial else 0
+    params = _custom_params(candidate)
+    remaining = max(0, len(candidate.origin_input_ids) - cached)
+    return PrefillView(lengths, cached, [*targets, params], params, remaining, _waited_s(candidate))
 
 
 @contextmanager
