@@ -81,6 +81,7 @@ def bench(
     seed: int,
     name: str,
     timeout_s: float,
+    class_ttft_targets: bool = False,
 ) -> dict[str, Any]:
     """One run of ``n`` requests at ``rate``: one ``pd-vllm bench serve`` per request class, all at once,
     each Poisson at the class's share of ``rate`` (independent Poisson streams add up to one at ``rate``)
@@ -103,6 +104,9 @@ def bench(
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(LOG_DIR), "--result-filename", result.name,
         ]  # fmt: skip
+        if class_ttft_targets:  # each request carries its class's TTFT SLO as its scheduler deadline
+            xargs = {"vllm_xargs": {"ttft_target_ms": round(slo.ttft_ms[cls.name], 1)}}
+            argv += ["--extra-body", json.dumps(xargs)]
         with open(LOG_DIR / f"{name}-{cls.name}.log", "w") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
         procs.append((proc, argv, result))
@@ -227,7 +231,7 @@ def run_system(
             try:
                 res = bench(
                     system.url, args.model, workload, n, rate, slo_by_scale[HEADLINE_SCALE],
-                    1000 * args.seed + i, tag, args.run_timeout_s,
+                    1000 * args.seed + i, tag, args.run_timeout_s, system.slo_scheduler,
                 )  # fmt: skip
                 point = score(res, workload, slo_by_scale, n)
                 raw[rate] = res

@@ -9,7 +9,8 @@ what the system is about (same model and dtype); one engine is pinned to core 0,
 - ``aggregated``: two vLLM servers, vLLM's default scheduler; pd-router with no prefill worker, so every
   request goes to one of them (policy reason ``no_prefill``) and is prefilled and decoded there;
 - ``aggregated_slo``: the same with ``scheduler_plugins.vllm.SLOScheduler`` (``--scheduler-cls``), whose
-  ITL and TTFT targets are the SLOs the benchmark measures against;
+  ITL and TTFT targets are the SLOs the benchmark measures against (the server's TTFT target the longest
+  class's; each request carries its own class's in ``vllm_xargs``, ``System.slo_scheduler``);
 - ``pd``: P (PDConnector producer, core 0) and D (consumer, core 1), pd-router's ``pd-push`` flow with the
   threshold policy (prompts shorter than its ``threshold_tokens`` are served by D alone);
 - ``pd_lend``: ``pd`` with pd-router's ``policy.lend_max_active`` (``LEND_MAX_ACTIVE``): a short request
@@ -52,6 +53,7 @@ class System:
     engines: list[ManagedServer]
     router_config: dict[str, Any]
     log_dir: Path
+    slo_scheduler: bool = False  # an engine runs SLOScheduler: requests may carry their class's TTFT target
     url: str = ""
     started: list[ManagedServer] = field(default_factory=list)
 
@@ -146,7 +148,7 @@ def build(
     if name in ("aggregated", "aggregated_slo"):
         engines = [engine(f"e{core}", core, extra_args=extra, env=env) for core in (0, 1)]
         config = {"flow": "pd-push", "sections": sections, "decode": [{"url": base_url(e)} for e in engines]}
-        return System(name, engines, config, log_dir)
+        return System(name, engines, config, log_dir, slo_scheduler=bool(extra))
     if name in PD_SYSTEMS:
         side = free_port()
         p = engine(
@@ -173,7 +175,7 @@ def build(
             "prefill": [{"url": base_url(p), "bootstrap": f"127.0.0.1:{side}"}],
             "decode": [{"url": base_url(d)}],
         }
-        return System(name, [p, d], config, log_dir)
+        return System(name, [p, d], config, log_dir, slo_scheduler=bool(extra))
     if name == "nixl":
         nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
         p, d = (
