@@ -346,6 +346,11 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
         ),
         "resumes": router_resumes(cluster.router.log_path),
         "faults": dict(faults),
+        # Each fault: seconds into the load when it struck and when its target was back, kind, target.
+        "fault_timeline": [
+            [round(w.start, 2), round(w.end, 2), w.kind, w.target or w.role]
+            for w in sorted(injector.windows, key=lambda w: w.start)
+        ],
         "fault_errors": injector.errors,
         # What struck through each proxy (the seeded per-connection faults and the timeline's), and how many
         # open connections the timeline's proxy faults found, by kind.
@@ -357,6 +362,9 @@ def run(plan: Plan, log_dir: Path) -> dict[str, Any]:
             n: round(u - baseline[n], 4) if math.isfinite(u) else None for n, (u, _) in state.items()
         },
         "open_requests": {n: o if math.isfinite(o) else None for n, (_, o) in state.items()},
+        # Engines that did not answer after the quiet period: every server a fault kills is restarted and
+        # waited for, so each one here died of something else (its log says what, see CRASH_TRACES).
+        "engines_down": sorted(n for n, (u, _) in state.items() if not math.isfinite(u)),
         "router_open": {k: v if math.isfinite(v) else None for k, v in router_open.items()},
         "rss_growth_mb": {n: round(rss_after[n] - rss_before[n], 1) for n in rss_before},
         "recovery_s": recovery(records, injector.struck),

@@ -52,6 +52,9 @@ ROUTER_TIMEOUTS = {"first_byte_s": 60.0, "idle_s": 60.0, "request_s": 150.0}
 #: SGLang's own disaggregation timeouts in the run (seconds): P waiting for its D, D waiting for KV.
 SGLANG_TIMEOUTS = {"bootstrap_timeout_s": 20.0, "waiting_timeout_s": 30.0}
 MAX_MODEL_LEN = 1024
+#: Every engine process prints its threads' Python stacks if it dies of a fatal signal (SIGSEGV, SIGABRT, ...):
+#: a P's model worker once died in a run with no trace in its log (docs/performance.md ``## chaos``).
+CRASH_TRACES = {"PYTHONFAULTHANDLER": "1"}
 
 
 @dataclass
@@ -140,6 +143,7 @@ def build(
             max_model_len=MAX_MODEL_LEN,
             kv_transfer_config={"kv_connector": "PDConnector", **kv},
             extra_args=["--served-model-name", SERVED],
+            env=CRASH_TRACES,
         )
 
     side_ports = [free_port() for _ in range(prefills)]
@@ -208,7 +212,7 @@ def sglang(model: Path, dtype: str, log_dir: Path, name: str, core: int, **kw: A
         context_length=MAX_MODEL_LEN,
         max_total_tokens=8192,
         extra_args=("--served-model-name", SERVED, "--enable-metrics"),
-        env=_sglang_env(),
+        env={**_sglang_env(), **CRASH_TRACES},
         **kw,
     )
 

@@ -69,6 +69,7 @@ def test_short_chaos_run_loses_no_token_hangs_nothing_and_leaks_no_block(
     # (policy.unavailable_wait_s, 10 s, longer than either stop here) instead of failing.
     causes = result["failed_by_cause"]
     assert not {"no_decode_worker", "no_prefill_worker"} & causes.keys(), causes
+    assert result["engines_down"] == [], result["engines_down"]  # none died but of the faults' kills
     assert all(v is not None and v <= 0 for v in result["blocks_leaked"].values()), result["blocks_leaked"]
     assert all(v == 0 for v in result["open_requests"].values()), result["open_requests"]
     assert all(v == 0 for v in result["router_open"].values()), result["router_open"]
