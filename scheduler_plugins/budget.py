@@ -106,8 +106,8 @@ def deadline_chunk(model: CostModel, plan: StepPlan, remaining: int, time_left_s
     spare = time_left_s - prefill_work
     if spare < per_step:
         return 0
-    steps = int(spare // per_step) if per_step > 0 else remaining
-    chunk = -(-remaining // max(1, steps))
+    steps = int(spare // per_step) if per_step > 0 else remaining  # >= 1: spare >= per_step
+    chunk = -(-remaining // steps)
     chunk = -(-chunk // align) * align
     if chunk > room:
         return room if room >= remaining else 0
