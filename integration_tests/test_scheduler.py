@@ -10,10 +10,12 @@ tests read those lines from the server log. No test gates on absolute times (the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -84,6 +86,25 @@ async def _complete(
                     ids.extend(new)
                     times.extend([time.perf_counter()] * len(new))
     return ids, times
+
+
+@contextlib.asynccontextmanager
+async def _beside_a_stream(
+    session: aiohttp.ClientSession, servers: dict[str, ManagedServer], seed: int
+) -> AsyncIterator[None]:
+    """A stream decoding on ours (server targets, a 16-token prompt) for the body's duration: the decodes a
+    prefill's chunks are sized beside. It asks for more tokens than any prefill here takes steps and is
+    cancelled on exit (vLLM aborts it)."""
+    times: list[float] = []
+    stream = asyncio.create_task(
+        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, None, times)
+    )
+    try:
+        await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
+        yield
+    finally:
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
 
 
 class BudgetLine(NamedTuple):
@@ -165,18 +186,9 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
 
     async def prefill(seed: int, ttft_target_ms: float) -> list[BudgetLine]:
         since = _log_size(servers["ours"])
-        times: list[float] = []
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            stream = asyncio.create_task(
-                _complete(session, servers["ours"], _prompt(30, 16), DECODE_TOKENS, None, times)
-            )
-            try:
-                await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
-                xargs = {"itl_target_ms": 5, "ttft_target_ms": ttft_target_ms}
-                ids, _ = await _complete(session, servers["ours"], _prompt(seed, 900), 4, xargs)
-            finally:
-                stream.cancel()
-                await asyncio.gather(stream, return_exceptions=True)
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 30):
+            xargs = {"itl_target_ms": 5, "ttft_target_ms": ttft_target_ms}
+            ids, _ = await _complete(session, servers["ours"], _prompt(seed, 900), 4, xargs)
         assert len(ids) == 4
         return [
             line for line in _budget_lines(servers["ours"], since) if line.target_ms == 5 and line.decodes
@@ -190,6 +202,39 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
     # are at least twice the ITL target's largest, and the prompt takes fewer steps.
     assert max(line.chunk for line in hurried) >= 2 * max(line.chunk for line in patient), (hurried, patient)
     assert len(hurried) < len(patient), (hurried, patient)
+
+
+def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
+    servers: dict[str, ManagedServer],
+) -> None:
+    """Beside a running stream at a 5 ms ITL target, a 900-token prompt with no TTFT deadline in reach is
+    prefilled in ~57 ITL-sized chunks. A short prompt sent meanwhile, due first (a 60 s TTFT target against
+    an hour), is admitted beside it (``budget.admission_chunk``) and answered while the long prompt is still
+    prefilling; without that it waits for the whole long prompt, as it does with ``ttft_aware_chunks`` off.
+    Judged by the order in which one client receives the two answers' tokens, not by times."""
+    long_times: list[float] = []
+    short_times: list[float] = []
+
+    async def run() -> None:
+        since = _log_size(servers["ours"])
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 40):
+            patient = {"itl_target_ms": 5, "ttft_target_ms": 3_600_000}
+            long = asyncio.create_task(
+                _complete(session, servers["ours"], _prompt(41, 900), 4, patient, long_times)
+            )
+
+            def chunk_steps() -> int:
+                lines = _budget_lines(servers["ours"], since)
+                return sum(1 for line in lines if line.target_ms == 5 and line.decodes)
+
+            await wait_until_async(lambda: chunk_steps() >= 3, 60, "the long prompt being chunked")
+            due_first = {"itl_target_ms": 5, "ttft_target_ms": 60_000}
+            await _complete(session, servers["ours"], _prompt(42, 48), 2, due_first, short_times)
+            await long
+
+    asyncio.run(run())
+    assert len(long_times) == 4 and len(short_times) == 2
+    assert short_times[-1] < long_times[0], "the short prompt waited for the long prompt's whole prefill"
 
 
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:

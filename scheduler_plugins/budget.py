@@ -2,8 +2,8 @@
 
 The adapter (``scheduler_plugins.vllm``, ``scheduler_plugins.sglang``) describes the step it is about to
 build (how many decodes run and their context, where the next prefill chunk starts), asks ``prefill_chunk``
-how many prefill tokens to add, and asks ``deadline_order`` in which order to serve waiting prefills on a
-prefill node.
+how many prefill tokens to add (``prefill_chunk`` for the ITL target, ``deadline_chunk`` and
+``admission_chunk`` for the TTFT deadlines), and asks ``deadline_order`` in which order to serve prefills.
 
 Guarantees the tests check:
 - the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap,
@@ -12,15 +12,16 @@ Guarantees the tests check:
   exceed the target: every pending prefill makes progress each step, so nothing starves;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
 - a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room;
-- ``deadline_chunk`` is the smallest aligned chunk with which the rest of a prefill is predicted to end by its
-  TTFT deadline (the adapter takes the larger of it and ``prefill_chunk``); 0 when no chunk the step can
-  take would do it.
+- ``deadline_chunk`` is the smallest aligned chunk with which the pending prefills, one after another, are
+  predicted to end by their TTFT deadlines (those no chunk the step can take would save left out; 0 when
+  none is left), and ``admission_chunk`` the smallest with which waiting prompts are admitted whole beside
+  the prefill under way; the adapter takes the largest of these and ``prefill_chunk``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -82,35 +83,75 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
     return min(room, max(lo * align, min_chunk))
 
 
-def deadline_chunk(model: CostModel, plan: StepPlan, remaining: int, time_left_s: float, align: int) -> int:
-    """Smallest ``align``-multiple chunk with which the ``remaining`` prompt tokens of the prefill under way
-    are predicted to be computed within ``time_left_s`` (to its TTFT deadline), the decodes staying as they
-    are; 0 when none fits the room the cap leaves (the deadline is lost whatever this step does, so the ITL
-    target alone sizes the chunk) or nothing remains.
+@dataclass(frozen=True)
+class PendingPrefill:
+    """A prefill still to run, as ``deadline_chunk`` sees it (the adapter reads it from the queues)."""
+
+    remaining: int  # prompt tokens still to compute
+    cached: int  # tokens already computed (a waiting request's prefix-cache hit is not known yet: 0)
+    time_left_s: float  # to its TTFT deadline, headroom applied; negative once it passed
+
+
+def deadline_chunk(model: CostModel, plan: StepPlan, pending: Sequence[PendingPrefill], align: int) -> int:
+    """Smallest ``align``-multiple chunk with which every pending prefill, served one after another in the
+    given order, is predicted to end by its TTFT deadline, the decodes staying as they are; a prefill whose
+    deadline no chunk the step can take would meet is left out (its work still delays those after it), and
+    0 when that leaves none (the ITL target alone then sizes the chunk).
 
     Why: chunks sized to the ITL target alone made a long prompt beside running streams take as many steps as
     the target allowed, however late its first token got. Raising every remaining chunk evenly to this size
-    meets the deadline with the smallest steps that can, so the streams' gaps grow as little as needed.
-    The rest of the prefill in ``n`` steps is predicted as ``n`` x the decode part of a step plus the
-    prefill's own work, which does not depend on the chunking: the model is linear in the step's shape, and
-    the attended pairs of all chunks add up to those of the whole remainder.
+    meets the deadlines with the smallest steps that can, so the streams' gaps grow as little as needed. All
+    pending prefills count, not only the one under way: sized for its own deadline alone, a prefill took all
+    the time to it, and a prompt arriving meanwhile started too late for its own.
+    Prefill ``j`` ends after the prompt tokens of prefills ``0..j`` are computed; in ``n`` steps that is
+    predicted as ``n`` x the decode part of a step plus their own work, which does not depend on the chunking:
+    the model is linear in the step's shape, and the attended pairs of a prompt's chunks add up to its whole.
     """
     room = plan.max_step_tokens - plan.decodes
-    if remaining <= 0 or room <= 0 or align <= 0:
+    if room <= 0 or align <= 0:
         return 0
     per_step = model.predict(plan.shape(0))
     nothing = model.predict(StepShape(0, 0, 0.0))
-    prefill_work = (
-        model.predict(StepShape(remaining, 0, attended_pairs(remaining, plan.prefill_cached))) - nothing
-    )
-    spare = time_left_s - prefill_work
-    if spare < per_step:
-        return 0
-    steps = int(spare // per_step) if per_step > 0 else remaining  # >= 1: spare >= per_step
-    chunk = -(-remaining // steps)
-    chunk = -(-chunk // align) * align
-    if chunk > room:
-        return room if room >= remaining else 0
+    tokens, work, floor = 0, 0.0, 0
+    for prefill in pending:
+        if prefill.remaining <= 0:
+            continue
+        tokens += prefill.remaining
+        work += (
+            model.predict(StepShape(prefill.remaining, 0, attended_pairs(prefill.remaining, prefill.cached)))
+            - nothing
+        )
+        spare = prefill.time_left_s - work
+        if spare < per_step:
+            continue  # lost whatever this step does
+        steps = int(spare // per_step) if per_step > 0 else tokens  # >= 1: spare >= per_step
+        chunk = -(-tokens // steps)
+        chunk = -(-chunk // align) * align
+        if chunk > room:
+            chunk = room if room >= tokens else 0
+        floor = max(floor, chunk)
+    return floor
+
+
+def admission_chunk(prompts: Iterable[int], min_chunk: int, align: int, room: int) -> int:
+    """The chunk with which ``partial_share`` admits the leading ``prompts`` (waiting, whole prompt lengths,
+    in serving order) in this step beside the prefill under way, as many as the ``room`` allows; 0: none.
+
+    Why: the engine serves the prefill under way before any waiting prompt, and ``partial_share`` admits a
+    waiting prompt only where it fits whole beside the prefill's own share (at least ``min_chunk``, and at
+    least the prompt, so that the engine's per-request cap does not cut it). A short prompt whose TTFT
+    deadline comes before that prefill's would otherwise wait for the ITL-sized chunks of the whole prompt
+    under way, however tight its own deadline.
+    """
+    admitted, largest, chunk = 0, 0, 0
+    for tokens in prompts:
+        if tokens <= 0:
+            continue
+        largest = max(largest, tokens)
+        need = admitted + tokens + max(min_chunk, largest)
+        if need > room:
+            break
+        admitted, chunk = admitted + tokens, min(room, -(-need // align) * align)
     return chunk
 
 
@@ -125,13 +166,14 @@ def partial_share(chunk: int, waiting_prompts: Iterable[int], min_chunk: int) ->
     then wait behind the long one), and the share is at least ``min_chunk``: the prompt under way always
     moves on. Returns ``chunk`` when nothing fits.
     """
-    admitted = 0
+    admitted, largest = 0, 0
     for tokens in waiting_prompts:
         if tokens <= 0:
             continue
-        if admitted + tokens > chunk - max(min_chunk, tokens):
+        # The share left must still hold every prompt admitted so far, not only this one.
+        if admitted + tokens > chunk - max(min_chunk, largest, tokens):
             break
-        admitted += tokens
+        admitted, largest = admitted + tokens, max(largest, tokens)
     return chunk - admitted
 
 

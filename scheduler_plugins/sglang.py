@@ -33,7 +33,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from pd_connector.sglang.compat import scheduler as compat
-from scheduler_plugins.budget import StepPlan, deadline_chunk, explain, prefill_chunk, step_limit_s
+from scheduler_plugins.budget import (
+    PendingPrefill,
+    StepPlan,
+    deadline_chunk,
+    explain,
+    prefill_chunk,
+    step_limit_s,
+)
 from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 
@@ -99,12 +106,15 @@ class SLOChunker:
 
     def _deadline_chunk(self, plan: StepPlan, view: compat.PrefillView) -> int:
         """The chunk with which the candidate's prefill is predicted to end by its TTFT deadline (0: the ITL
-        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway)."""
+        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway). Only the candidate
+        counts here: the view does not carry the waiting queue's deadlines (the vLLM adapter's floor counts
+        every pending prefill)."""
         if not self.slo.ttft_aware_chunks:
             return 0
         ttft_s = self._target_ms(view.candidate_params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
         time_left_s = (ttft_s - view.candidate_waited_s) * self.slo.headroom
-        return deadline_chunk(self.cost_model, plan, view.candidate_remaining, time_left_s, self.align)
+        pending = PendingPrefill(view.candidate_remaining, plan.prefill_cached, time_left_s)
+        return deadline_chunk(self.cost_model, plan, [pending], self.align)
 
     def _target_ms(self, params: Any, key: str, default: float) -> float:
         """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or

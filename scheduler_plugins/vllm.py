@@ -4,10 +4,12 @@ Runs inside vLLM's EngineCore process, which calls ``schedule()`` then ``update_
 iteration (``--scheduler-cls`` turns async scheduling off, so the two alternate strictly). This class does not
 copy vLLM's scheduling loop; it sets the loop's inputs before delegating to it:
 
-- ``self.running`` is reordered so decodes come first and partial prefills after them (stall-free order);
-  in prefill mode partial prefills and ``self.waiting`` are ordered by TTFT deadline instead of arrival.
+- ``self.running`` is reordered so decodes come first and partial prefills after them (stall-free order),
+  and partial prefills and ``self.waiting`` (a FCFS queue) are ordered by TTFT deadline instead of arrival
+  (on a decode node remote KV loads wait first).
 - ``self.max_num_scheduled_tokens`` (the step's token budget) becomes decode tokens + the chunk chosen by
-  ``budget.prefill_chunk`` (+ one token per remote KV load waiting, in decode mode), and the private copy of
+  ``budget.prefill_chunk``, raised to the pending prefills' TTFT deadlines (``budget.deadline_chunk``,
+  ``budget.admission_chunk``), + one token per remote KV load waiting in decode mode, and the private copy of
   the scheduler config gets ``long_prefill_token_threshold = chunk``, so one prefill cannot take the decodes'
   share or the remote loads' reserve.
 - each step's cost is fed to the cost model with the step's shape: by default its whole cycle, from the
@@ -41,7 +43,9 @@ from vllm.v1.request import Request
 
 from pd_connector.vllm import compat
 from scheduler_plugins.budget import (
+    PendingPrefill,
     StepPlan,
+    admission_chunk,
     deadline_chunk,
     deadline_order,
     explain,
@@ -70,6 +74,8 @@ WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
 VERDICT_INTERVAL_S = 30.0
 TTFT_TARGET_ARG = "ttft_target_ms"
+# How many pending prefills (in serving order) the TTFT floor counts (SLOScheduler._deadline_chunk).
+FLOOR_LOOKAHEAD = 32
 
 
 class SLOScheduler(Scheduler):
@@ -145,16 +151,11 @@ class SLOScheduler(Scheduler):
         self._observe(self._clock.begin(time.perf_counter(), time.process_time()))
         running = compat.running(self)
         decodes = [r for r in running if compat.is_decode(r)]
-        prefills = [r for r in running if not compat.is_decode(r)]
+        prefills = deadline_order([r for r in running if not compat.is_decode(r)], self._deadline)
+        self._order_waiting()
         if self.slo.mode is Mode.PREFILL:
-            prefills = deadline_order(prefills, self._deadline)
-            # The FCFS queue is a deque (checked in __init__).
-            compat.reorder_waiting(self, deadline_order(compat.waiting(self), self._deadline))
             self._set_budget(self._engine_cap, self._user_long_prefill)
         else:
-            waiting = compat.waiting(self) if self.slo.mode is Mode.DECODE else []
-            if waiting:
-                compat.reorder_waiting(self, sorted(waiting, key=lambda r: not compat.is_remote_kv(r)))
             self._plan_step(decodes, prefills)
         compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)
@@ -181,6 +182,18 @@ class SLOScheduler(Scheduler):
         self.cost_model.observe(sample.shape, sample.cycle_s if cycle else sample.forward_s)
         self._stats.add(sample)
 
+    def _order_waiting(self) -> None:
+        """Earliest TTFT deadline first (ties in arrival order), and on a decode node remote KV loads before
+        local prefills. Only a FCFS queue (a deque; prefill mode requires it) can be refilled in a new order;
+        a priority queue keeps the order its priorities give."""
+        waiting = compat.waiting(self)
+        if not waiting or not compat.uses_fcfs(self):
+            return
+        ordered = deadline_order(waiting, self._deadline)
+        if self.slo.mode is Mode.DECODE:
+            ordered.sort(key=lambda r: not compat.is_remote_kv(r))  # stable: deadline order within each
+        compat.reorder_waiting(self, ordered)
+
     def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> None:
         """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node)."""
         waiting = compat.waiting_with_kv(self)
@@ -206,7 +219,7 @@ class SLOScheduler(Scheduler):
         limit_s = step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill)
         chunk = max(
             prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk),
-            self._deadline_chunk(plan, candidate),
+            self._deadline_chunk(plan, prefills, local_waiting),
         )
         self._judge(plan, itl_limit_s, target_ms)
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
@@ -220,15 +233,45 @@ class SLOScheduler(Scheduler):
         self._set_budget(max(1, budget), max(1, threshold))
         self._log_budget(target_ms, chunk, share, plan, limit_s)
 
-    def _deadline_chunk(self, plan: StepPlan, candidate: Request) -> int:
-        """The chunk with which ``candidate``'s prefill is predicted to end by its TTFT deadline (0: the ITL
-        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway)."""
+    def _deadline_chunk(self, plan: StepPlan, prefills: list[Request], waiting: list[Request]) -> int:
+        """The chunk with which the pending prefills are predicted to end by their TTFT deadlines, and with
+        which waiting prompts due before the prefill under way are admitted beside it now (0: the ITL target
+        alone decides; ``ttft_aware_chunks`` off, or every deadline is lost anyway).
+
+        The floor sees the prefills in the order the engine will serve them: those urgent prompts, the
+        prefills under way, then the rest of the queue, at most ``FLOOR_LOOKAHEAD`` of them (those further
+        back are counted once they near the front, and a step's planning stays short under overload).
+        """
         if not self.slo.ttft_aware_chunks:
             return 0
-        time_left_s = (self._deadline(candidate) - time.time()) * self.slo.headroom
-        return deadline_chunk(
-            self.cost_model, plan, compat.pending_tokens(candidate), time_left_s, self._align
+        now = time.time()
+        urgent = self._urgent(prefills[0], waiting, now) if prefills else []
+        order = [*urgent, *prefills, *waiting[len(urgent) :]][:FLOOR_LOOKAHEAD]
+        pending = [
+            PendingPrefill(
+                compat.pending_tokens(r),
+                compat.computed_tokens(r),
+                (self._deadline(r) - now) * self.slo.headroom,
+            )
+            for r in order
+        ]
+        room = plan.max_step_tokens - plan.decodes
+        return max(
+            deadline_chunk(self.cost_model, plan, pending, self._align),
+            admission_chunk((compat.pending_tokens(r) for r in urgent), self._min_chunk, self._align, room),
         )
+
+    def _urgent(self, under_way: Request, waiting: list[Request], now: float) -> list[Request]:
+        """The leading waiting requests (deadline order) due before the prefill under way and not yet late:
+        those to admit beside it now rather than after its whole prompt."""
+        due = self._deadline(under_way)
+        urgent = []
+        for request in waiting:
+            deadline = self._deadline(request)
+            if deadline >= due or deadline <= now:
+                break
+            urgent.append(request)
+        return urgent
 
     def _judge(self, plan: StepPlan, limit_s: float, target_ms: float) -> None:
         """Say in the log whether the target can be held, once the model has measured enough steps: the

@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler_plugins.budget import (
+    PendingPrefill,
     StepPlan,
+    admission_chunk,
     deadline_chunk,
     deadline_order,
     partial_share,
@@ -26,6 +28,10 @@ LAW = (0.020, 1e-3, 1e-3, 0.0)
 
 def _plan(decodes: int = 4, cap: int = 2048, cached: int = 0) -> StepPlan:
     return StepPlan(decodes=decodes, decode_context=100 * decodes, prefill_cached=cached, max_step_tokens=cap)
+
+
+def _one(remaining: int, time_left_s: float, cached: int = 0) -> list[PendingPrefill]:
+    return [PendingPrefill(remaining, cached, time_left_s)]
 
 
 def test_largest_aligned_chunk_under_the_target() -> None:
@@ -98,28 +104,77 @@ def test_deadline_chunk_spreads_the_rest_evenly_over_the_steps_left() -> None:
     of prefill work and 4 steps of 24 ms, so chunks of 64; a hair less time allows 3 steps, so chunks of 96
     (86 aligned up)."""
     model, plan = CostModel(LAW), _plan(decodes=4)
-    assert deadline_chunk(model, plan, remaining=256, time_left_s=0.352 + 1e-12, align=32) == 64
-    assert deadline_chunk(model, plan, remaining=256, time_left_s=0.3519, align=32) == 96
+    assert deadline_chunk(model, plan, _one(256, 0.352 + 1e-12), align=32) == 64
+    assert deadline_chunk(model, plan, _one(256, 0.3519), align=32) == 96
     # Time for many steps: the floor is one alignment unit (the ITL chunk then decides).
-    assert deadline_chunk(model, plan, remaining=256, time_left_s=60.0, align=32) == 32
+    assert deadline_chunk(model, plan, _one(256, 60.0), align=32) == 32
 
 
 def test_deadline_chunk_is_zero_when_the_deadline_is_lost_or_nothing_remains() -> None:
     model = CostModel(LAW)
     # Not even one step fits (256 + 24 ms > 279 ms), or the time is already up.
-    assert deadline_chunk(model, _plan(decodes=4), remaining=256, time_left_s=0.279, align=32) == 0
-    assert deadline_chunk(model, _plan(decodes=4), remaining=256, time_left_s=-1.0, align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4), _one(256, 0.279), align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4), _one(256, -1.0), align=32) == 0
     # One step would do, but the cap leaves room for 96 of the 256 tokens: lost whatever this step takes.
-    assert deadline_chunk(model, _plan(decodes=4, cap=100), remaining=256, time_left_s=0.3, align=32) == 0
-    assert deadline_chunk(model, _plan(decodes=4), remaining=0, time_left_s=1.0, align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4, cap=100), _one(256, 0.3), align=32) == 0
+    assert deadline_chunk(model, _plan(decodes=4), _one(0, 1.0), align=32) == 0
 
 
 def test_deadline_chunk_takes_the_whole_rest_when_one_step_must_do() -> None:
     """One step left for 250 tokens: the chunk is the rest aligned up (256), within the room of 296."""
     plan = _plan(decodes=4, cap=300)
-    assert deadline_chunk(CostModel(LAW), plan, remaining=250, time_left_s=0.250 + 0.024, align=32) == 256
+    assert deadline_chunk(CostModel(LAW), plan, _one(250, 0.250 + 0.024), align=32) == 256
     # A room of 250 (cap 254, 4 decodes) holds the rest but not its aligned size: the room.
-    assert deadline_chunk(CostModel(LAW), _plan(decodes=4, cap=254), 250, 0.274, align=32) == 250
+    assert deadline_chunk(CostModel(LAW), _plan(decodes=4, cap=254), _one(250, 0.274), align=32) == 250
+
+
+def test_deadline_chunk_counts_every_pending_prefill_in_serving_order() -> None:
+    """4 decodes (24 ms a step), 1 ms per prompt token. A 256-token prefill with a minute left needs only the
+    alignment unit; a second one of 256 due in 608 ms must end after both (512 ms of work + 4 steps), so the
+    chunk is 128 from now on, not what either needs alone."""
+    model, plan = CostModel(LAW), _plan(decodes=4)
+    first, second = PendingPrefill(256, 0, 60.0), PendingPrefill(256, 0, 0.608 + 1e-12)
+    assert deadline_chunk(model, plan, [first], align=32) == 32
+    assert deadline_chunk(model, plan, [second], align=32) == 32  # alone: 352 ms for 14 steps
+    assert deadline_chunk(model, plan, [first, second], align=32) == 128
+    # Served first instead, the second needs only its own 256 ms + steps; the first then has a minute.
+    assert deadline_chunk(model, plan, [second, first], align=32) == 32
+    assert deadline_chunk(model, plan, [], align=32) == 0
+
+
+def test_deadline_chunk_leaves_out_a_lost_prefill_but_counts_its_work() -> None:
+    """The first prefill's deadline has passed (no chunk saves it): it sets no floor, but it is served
+    first, so the second still needs the 128-token chunks."""
+    model, plan = CostModel(LAW), _plan(decodes=4)
+    late, second = PendingPrefill(256, 0, -1.0), PendingPrefill(256, 0, 0.608 + 1e-12)
+    assert deadline_chunk(model, plan, [late], align=32) == 0
+    assert deadline_chunk(model, plan, [late, second], align=32) == 128
+
+
+def test_admission_chunk_fits_the_waiting_prompts_beside_the_share_under_way() -> None:
+    """A 64-token prompt beside a prefill under way: 64 + max(min_chunk 32, 64) = 128. Two prompts: the
+    prefill keeps at least the largest (100), 264 aligned up to 288. The room admits what fits, in order."""
+    assert admission_chunk([64], min_chunk=32, align=32, room=2048) == 128
+    assert admission_chunk([64, 100], min_chunk=32, align=32, room=2048) == 288
+    assert admission_chunk([64, 100], min_chunk=32, align=32, room=263) == 128
+    assert admission_chunk([64, 100], min_chunk=32, align=32, room=270) == 270  # fits, not its aligned size
+    assert admission_chunk([300], min_chunk=32, align=32, room=500) == 0
+    assert admission_chunk([], min_chunk=32, align=32, room=2048) == 0
+
+
+@given(
+    prompts=st.lists(st.integers(1, 600), min_size=1, max_size=8),
+    min_chunk=st.integers(1, 128),
+    align=st.sampled_from([1, 16, 32]),
+)
+def test_admission_chunk_is_the_smallest_with_which_partial_share_admits_them_all(
+    prompts: list[int], min_chunk: int, align: int
+) -> None:
+    chunk = admission_chunk(prompts, min_chunk, align, room=1_000_000)
+    assert chunk % align == 0
+    assert partial_share(chunk, prompts, min_chunk) == chunk - sum(prompts)
+    if chunk > align:
+        assert partial_share(chunk - align, prompts, min_chunk) > chunk - align - sum(prompts)
 
 
 @given(
@@ -147,7 +202,7 @@ def test_deadline_chunk_meets_the_deadline_and_is_the_smallest_that_does(
             done += step
         return total
 
-    chunk = deadline_chunk(model, plan, remaining, time_left_ms / 1e3, align)
+    chunk = deadline_chunk(model, plan, _one(remaining, time_left_ms / 1e3, cached), align)
     if chunk == 0:
         assert predicted(min(remaining, 8192 - decodes)) > time_left_ms / 1e3 * (1 - 1e-9)
         return
@@ -304,6 +359,9 @@ def test_partial_share_keeps_the_floor_and_each_admitted_prompt_whole() -> None:
     # The floor: the prompt under way always gets at least min_chunk.
     assert partial_share(32, [16], min_chunk=16) == 16
     assert partial_share(16, [8], min_chunk=16) == 16
+    # A later prompt must not shrink the share below an earlier, larger one: 40 + 8 admitted would leave
+    # 32 < 40, and the cap would cut the first prompt.
+    assert partial_share(80, [40, 8], min_chunk=16) == 40
     for chunk in range(16, 200, 16):
         for prompts in ([8], [8, 8], [20, 40], [100], [15, 15, 15]):
             share = partial_share(chunk, prompts, min_chunk=16)
