@@ -83,6 +83,11 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
     return min(room, max(lo * align, min_chunk))
 
 
+# How many pending prefills, in serving order, the adapters pass to ``deadline_chunk``: those further back are
+# counted once they near the front, and a step's planning stays short however long the queue.
+FLOOR_LOOKAHEAD = 32
+
+
 @dataclass(frozen=True)
 class PendingPrefill:
     """A prefill still to run, as ``deadline_chunk`` sees it (the adapter reads it from the queues)."""

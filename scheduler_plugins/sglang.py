@@ -34,6 +34,7 @@ from typing import Any
 
 from pd_connector.sglang.compat import scheduler as compat
 from scheduler_plugins.budget import (
+    FLOOR_LOOKAHEAD,
     PendingPrefill,
     StepPlan,
     deadline_chunk,
@@ -80,7 +81,7 @@ class SLOChunker:
     def chunked_prefill_size(self, view: compat.PrefillView) -> int | None:
         """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is
         pending (SGLang's value stays)."""
-        if view.candidate_cached is None:
+        if not view.pending:
             return None
         target_ms = min(
             [
@@ -92,7 +93,7 @@ class SLOChunker:
         plan = StepPlan(
             decodes=decodes,
             decode_context=sum(view.decode_lengths),
-            prefill_cached=view.candidate_cached,
+            prefill_cached=view.pending[0].cached,
             max_step_tokens=self.engine_cap,
         )
         limit_s = step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill)
@@ -105,16 +106,22 @@ class SLOChunker:
         return max(1, min(self.engine_cap, decodes + chunk))
 
     def _deadline_chunk(self, plan: StepPlan, view: compat.PrefillView) -> int:
-        """The chunk with which the candidate's prefill is predicted to end by its TTFT deadline (0: the ITL
-        target alone decides; ``ttft_aware_chunks`` off, or the deadline is lost anyway). Only the candidate
-        counts here: the view does not carry the waiting queue's deadlines (the vLLM adapter's floor counts
-        every pending prefill)."""
+        """The chunk with which the pending prefills, in the view's order, are predicted to end by their TTFT
+        deadlines (0: the ITL target alone decides; ``ttft_aware_chunks`` off, or every deadline is lost
+        anyway). No waiting prompt is admitted beside the one under way here: SGLang gives the chunk to the
+        prefill under way first, with no per-request cap to leave room (vLLM's adapter does)."""
         if not self.slo.ttft_aware_chunks:
             return 0
-        ttft_s = self._target_ms(view.candidate_params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
-        time_left_s = (ttft_s - view.candidate_waited_s) * self.slo.headroom
-        pending = PendingPrefill(view.candidate_remaining, plan.prefill_cached, time_left_s)
-        return deadline_chunk(self.cost_model, plan, [pending], self.align)
+        pending = [
+            PendingPrefill(
+                p.remaining,
+                p.cached,
+                (self._target_ms(p.params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3 - p.waited_s)
+                * self.slo.headroom,
+            )
+            for p in view.pending
+        ]
+        return deadline_chunk(self.cost_model, plan, pending, self.align)
 
     def _target_ms(self, params: Any, key: str, default: float) -> float:
         """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or
@@ -216,7 +223,9 @@ def prefill_hook(original_fn: Any, scheduler: Any, *args: Any, **kwargs: Any) ->
     if chunker is not None and chunker.active:
         try:
             running_batch = kwargs["running_batch"] if "running_batch" in kwargs else args[0]
-            size = chunker.chunked_prefill_size(compat.prefill_view(scheduler, running_batch))
+            size = chunker.chunked_prefill_size(
+                compat.prefill_view(scheduler, running_batch, FLOOR_LOOKAHEAD)
+            )
         except Exception as exc:
             chunker.fail("choosing the prefill chunk", exc)
     if size is None:

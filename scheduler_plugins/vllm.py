@@ -43,6 +43,7 @@ from vllm.v1.request import Request
 
 from pd_connector.vllm import compat
 from scheduler_plugins.budget import (
+    FLOOR_LOOKAHEAD,
     PendingPrefill,
     StepPlan,
     admission_chunk,
@@ -74,8 +75,6 @@ WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
 VERDICT_INTERVAL_S = 30.0
 TTFT_TARGET_ARG = "ttft_target_ms"
-# How many pending prefills (in serving order) the TTFT floor counts (SLOScheduler._deadline_chunk).
-FLOOR_LOOKAHEAD = 32
 
 
 class SLOScheduler(Scheduler):
@@ -235,17 +234,18 @@ class SLOScheduler(Scheduler):
 
     def _deadline_chunk(self, plan: StepPlan, prefills: list[Request], waiting: list[Request]) -> int:
         """The chunk with which the pending prefills are predicted to end by their TTFT deadlines, and with
-        which waiting prompts due before the prefill under way are admitted beside it now (0: the ITL target
-        alone decides; ``ttft_aware_chunks`` off, or every deadline is lost anyway).
+        which waiting prompts due before the prefill under way are admitted beside it now (with
+        ``admit_during_prefill``; 0: the ITL target alone decides; ``ttft_aware_chunks`` off, or every
+        deadline is lost anyway).
 
         The floor sees the prefills in the order the engine will serve them: those urgent prompts, the
-        prefills under way, then the rest of the queue, at most ``FLOOR_LOOKAHEAD`` of them (those further
-        back are counted once they near the front, and a step's planning stays short under overload).
+        prefills under way, then the rest of the queue, the first ``FLOOR_LOOKAHEAD`` of them.
         """
         if not self.slo.ttft_aware_chunks:
             return 0
         now = time.time()
-        urgent = self._urgent(prefills[0], waiting, now) if prefills else []
+        admit = prefills and self.slo.admit_during_prefill  # partial_share admits them (_plan_step)
+        urgent = self._urgent(prefills[0], waiting, now) if admit else []
         order = [*urgent, *prefills, *waiting[len(urgent) :]][:FLOOR_LOOKAHEAD]
         pending = [
             PendingPrefill(

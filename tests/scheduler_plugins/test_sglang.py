@@ -154,6 +154,32 @@ def test_the_ttft_deadline_raises_the_chunk(
     assert _prefill(scheduler, _running(10, 10, 10)) == 3 + expected
 
 
+@pytest.mark.parametrize(
+    ("aware", "second_target_ms", "expected"),
+    [
+        ("true", None, 16),  # no second prompt: the first has an hour, the ITL minimum does
+        # both prompts' 500 tokens, 1 ms each, 23 ms per step, 0.85 x 1500 ms: 11 steps, 91 -> 96
+        ("true", 1500, 96),
+        ("true", 3_600_000, 16),  # the second has an hour too
+        ("false", 1500, 16),
+    ],
+)
+def test_the_ttft_floor_counts_the_waiting_queue_behind_the_candidate(
+    monkeypatch: pytest.MonkeyPatch, aware: str, second_target_ms: float | None, expected: int
+) -> None:
+    """The prompt under way has no deadline in reach, but a waiting one behind it does: the floor counts
+    both prompts' work before the second one's deadline."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="40", ttft_aware_chunks=aware)
+    chunker.cost_model = CostModel(LAW)
+    patient = SimpleNamespace(custom_params={"ttft_target_ms": 3_600_000})
+    scheduler.chunked_req = FakeReq(list(range(600)), extend_end=100, sampling_params=patient)
+    if second_target_ms is not None:
+        params = SimpleNamespace(custom_params={"ttft_target_ms": second_target_ms})
+        scheduler.waiting_queue = [FakeReq(list(range(500)), sampling_params=params)]
+    assert _prefill(scheduler, _running(10, 10, 10)) == 3 + expected
+
+
 def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     scheduler = FakeScheduler()
     _started(monkeypatch, scheduler, itl_target_ms="100000")

@@ -133,17 +133,24 @@ def attached(scheduler: Any) -> Any:
     return scheduler.__dict__.get(_STATE_ATTR)
 
 
+class PendingView(NamedTuple):
+    """One prefill still to run, as SGLang's scheduler holds it."""
+
+    remaining: int  # prompt tokens still to compute
+    cached: int  # tokens already computed (a waiting request's cached prefix is not matched yet: 0)
+    params: Any  # its ``custom_params`` (its own TTFT target), None if unset
+    waited_s: float  # seconds since SGLang's scheduler received it (0: not recorded)
+
+
 class PrefillView(NamedTuple):
     """The step ``get_new_batch_prefill`` is about to build, read before it runs."""
 
     decode_lengths: list[int]  # tokens in the KV of each running decode (they join a mixed step)
-    # tokens already computed for the prefill that gets the chunk (None: no prefill)
-    candidate_cached: int | None
     # the ``custom_params`` of the step's requests (decodes and the candidate), None if unset
     targets: list[Any]
-    candidate_params: Any  # the candidate's ``custom_params`` (its own TTFT target), None if unset
-    candidate_remaining: int  # prompt tokens the candidate still needs computed (0: no candidate)
-    candidate_waited_s: float  # seconds since SGLang's scheduler received the candidate (0: no candidate)
+    # the prefill that gets the chunk (the candidate: the partial prefill under way, else the first waiting
+    # request) first, then the waiting queue in its current order; empty: no prefill
+    pending: list[PendingView]
 
 
 def _custom_params(req: Any) -> Any:
@@ -157,21 +164,25 @@ def _waited_s(req: Any) -> float:
     return max(0.0, time.perf_counter() - float(received)) if received else 0.0
 
 
-def prefill_view(scheduler: Any, running_batch: Any) -> PrefillView:
-    """The running decodes and the prefill the chunk goes to: the partial prefill under way, else the first
-    waiting request (its cached prefix is not known before SGLang matches it: counted as 0)."""
+def _pending(req: Any, cached: int) -> PendingView:
+    remaining = max(0, len(req.origin_input_ids) - cached)
+    return PendingView(remaining, cached, _custom_params(req), _waited_s(req))
+
+
+def prefill_view(scheduler: Any, running_batch: Any, lookahead: int) -> PrefillView:
+    """The running decodes and the prefills still to run, at most ``lookahead`` of them (the step's own work
+    stays bounded however long the queue): the partial prefill under way first, then the waiting queue.
+    SGLang's policy may reorder the queue in this very call (``calc_priority``); the view keeps the order
+    it had."""
     decodes = list(getattr(running_batch, "reqs", None) or [])
     lengths = [len(r.origin_input_ids) + len(r.output_ids) for r in decodes]
     targets = [_custom_params(r) for r in decodes]
     partial = scheduler.chunked_req
-    waiting = scheduler.waiting_queue
-    candidate = partial if partial is not None else (waiting[0] if waiting else None)
-    if candidate is None:
-        return PrefillView(lengths, None, targets, None, 0, 0.0)
-    cached = int(candidate.extend_end or 0) if candidate is partial else 0
-    params = _custom_params(candidate)
-    remaining = max(0, len(candidate.origin_input_ids) - cached)
-    return PrefillView(lengths, cached, [*targets, params], params, remaining, _waited_s(candidate))
+    pending = [] if partial is None else [_pending(partial, int(partial.extend_end or 0))]
+    pending += [_pending(r, 0) for r in list(scheduler.waiting_queue)[: max(0, lookahead - len(pending))]]
+    if pending:
+        targets.append(pending[0].params)
+    return PrefillView(lengths, targets, pending)
 
 
 @contextmanager
