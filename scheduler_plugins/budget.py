@@ -12,6 +12,8 @@ Guarantees the tests check:
   exceed the target: every pending prefill makes progress each step, so nothing starves;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
 - a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room;
+- with TPOT targets, the step's time limit is also at most what every decode's mean gap can afford
+  (``tpot_limit_s``);
 - ``deadline_chunk`` is the smallest aligned chunk with which the pending prefills, one after another, are
   predicted to end by their TTFT deadlines (those no chunk the step can take would save left out; 0 when
   none is left), and ``admission_chunk`` the smallest with which waiting prompts are admitted whole beside
@@ -59,6 +61,41 @@ def step_limit_s(plan: StepPlan, itl_limit_s: float, chunk_lone_prefill: bool) -
     if plan.decodes or chunk_lone_prefill:
         return itl_limit_s
     return math.inf
+
+
+@dataclass(frozen=True)
+class DecodeTrack:
+    """A running decode's account against its TPOT target (the mean gap over its whole answer)."""
+
+    target_s: float  # its TPOT target
+    gaps: int  # gaps since its first token (output tokens - 1)
+    elapsed_s: float  # since its first token
+    remaining: int  # tokens it may still produce (max_tokens - output tokens; >= 1 while it runs)
+
+
+def tpot_limit_s(tracks: Iterable[DecodeTrack], decode_step_s: float, headroom: float) -> float:
+    """The longest next step with which every running decode's mean gap can still end within ``headroom`` x
+    its TPOT target, if each of its later steps takes ``decode_step_s`` (the decodes alone); ``inf`` when no
+    decode has a target. A decode that no step could bring within its target (too late even at the
+    decodes' own pace) is left out: holding every step back for it would not save it.
+
+    Why: a TPOT target is a mean over the answer. A per-gap limit (the ITL target) set to it spends the whole
+    allowance on every step that carries a chunk, so the mean ends near the target, and vLLM's own scheduler,
+    one long stall and then fast steps, met the mean more often (docs/performance.md ``## goodput``). The
+    slack each decode has left lets a step be long while every decode beside it can afford it, and short
+    when one cannot. A decode that ends before ``max_tokens`` (EOS) has fewer fast steps than counted.
+    """
+    limit = math.inf
+    for track in tracks:
+        later = max(0, track.remaining - 1)
+        allowed = (
+            headroom * track.target_s * (track.gaps + track.remaining)
+            - track.elapsed_s
+            - later * decode_step_s
+        )
+        if allowed >= decode_step_s:
+            limit = min(limit, allowed)
+    return limit
 
 
 def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, min_chunk: int) -> int:

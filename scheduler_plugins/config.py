@@ -2,9 +2,9 @@
 
 Sources, later wins: built-in defaults, environment variables ``PD_SCHED_*`` (they reach vLLM's EngineCore
 process because it inherits the server's environment), then the ``scheduler_plugins`` object of vLLM's
-``--additional-config`` JSON. Per-request targets (``itl_target_ms``, ``ttft_target_ms`` in the request's
-``vllm_xargs``) are read by the adapter, not here. Bad values raise ``ValueError`` naming the setting, so a
-misconfigured server fails at start-up instead of scheduling with a silently wrong target.
+``--additional-config`` JSON. Per-request targets (``itl_target_ms``, ``ttft_target_ms``, ``tpot_target_ms``
+in the request's ``vllm_xargs``) are read by the adapter, not here. Bad values raise ``ValueError`` naming the
+setting, so a misconfigured server fails at start-up instead of scheduling with a silently wrong target.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     mode: Mode = Mode.COLOCATED
     itl_target_ms: Positive = 100.0
     ttft_target_ms: Positive = 2000.0
+    # A mean gap per answer (TPOT) each decode is held to, besides the ITL target's per-gap limit
+    # (budget.tpot_limit_s); 0: none unless a request sets its own.
+    tpot_target_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # Fraction of the ITL target the predicted step may use: the rest absorbs prediction error and the
     # per-token work outside the model step (sampling, detokenizing, HTTP).
     headroom: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.85
@@ -103,7 +106,7 @@ def load_settings(env: Mapping[str, str], additional_config: Mapping[str, Any] |
 
 
 def positive_ms(value: Any) -> float | None:
-    """A per-request target (``itl_target_ms``, ``ttft_target_ms``) as a positive number of milliseconds, None
+    """A per-request target (``itl_target_ms``, ...) as a positive number of milliseconds, None
     when it is not one (the adapters then keep the server's target and log a warning)."""
     try:
         target = float(value)

@@ -44,6 +44,7 @@ from vllm.v1.request import Request
 from pd_connector.vllm import compat
 from scheduler_plugins.budget import (
     FLOOR_LOOKAHEAD,
+    DecodeTrack,
     PendingPrefill,
     StepPlan,
     admission_chunk,
@@ -53,6 +54,7 @@ from scheduler_plugins.budget import (
     partial_share,
     prefill_chunk,
     step_limit_s,
+    tpot_limit_s,
 )
 from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
@@ -75,6 +77,7 @@ WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
 VERDICT_INTERVAL_S = 30.0
 TTFT_TARGET_ARG = "ttft_target_ms"
+TPOT_TARGET_ARG = "tpot_target_ms"
 
 
 class SLOScheduler(Scheduler):
@@ -113,6 +116,9 @@ class SLOScheduler(Scheduler):
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
+        # When each running decode's first token was out (time.monotonic()), for its TPOT account; an entry
+        # goes when its request leaves the scheduler (_track_decodes).
+        self._first_token_at: dict[str, float] = {}
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g headroom=%g chunk_align=%d "
             "min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
@@ -138,6 +144,36 @@ class SLOScheduler(Scheduler):
             logger.warning("request %s: ignoring invalid %s=%r", request.request_id, key, value)
             return default
         return target
+
+    def _tpot_target_ms(self, request: Request) -> float:
+        """The request's TPOT target: its own, never looser than the server's; 0 when neither is set."""
+        server = self.slo.tpot_target_ms
+        own = self._request_target_ms(request, TPOT_TARGET_ARG, server)
+        return min(own, server) if server else own
+
+    def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
+        """The TPOT accounts of the running decodes that have a target. A decode's first token came out in
+        the step before the one it is first seen in as a decode, so that is when its account starts; the
+        starts of requests that left the scheduler are forgotten here."""
+        now = time.monotonic()
+        for request_id in [r for r in self._first_token_at if compat.scheduled_request(self, r) is None]:
+            del self._first_token_at[request_id]
+        tracks = []
+        for request in decodes:
+            target_ms = self._tpot_target_ms(request)
+            if not target_ms:
+                continue
+            first = self._first_token_at.setdefault(request.request_id, now)
+            produced = compat.output_tokens(request)
+            tracks.append(
+                DecodeTrack(
+                    target_s=target_ms / 1e3,
+                    gaps=max(0, produced - 1),
+                    elapsed_s=now - first,
+                    remaining=max(1, compat.max_tokens(request) - produced),
+                )
+            )
+        return tracks
 
     def _deadline(self, request: Request) -> float:
         return (
@@ -204,9 +240,14 @@ class SLOScheduler(Scheduler):
         if candidate is None:
             self._set_budget(self._engine_cap, self._user_long_prefill)
             return
-        # The strictest ITL target among the step's requests (the chunk's owner too: it decodes next).
+        # The strictest ITL target among the step's requests (the chunk's owner too: it decodes next); a
+        # request's own target never loosens the server's.
         target_ms = min(
-            self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms) for r in [*decodes, candidate]
+            self.slo.itl_target_ms,
+            *(
+                self._request_target_ms(r, ITL_TARGET_ARG, self.slo.itl_target_ms)
+                for r in [*decodes, candidate]
+            ),
         )
         plan = StepPlan(
             decodes=decode_tokens + reserve,
@@ -215,7 +256,12 @@ class SLOScheduler(Scheduler):
             max_step_tokens=self._engine_cap,
         )
         itl_limit_s = target_ms / 1e3 * self.slo.headroom
-        limit_s = step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill)
+        limit_s = min(
+            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill),
+            tpot_limit_s(
+                self._decode_tracks(decodes), self.cost_model.predict(plan.shape(0)), self.slo.headroom
+            ),
+        )
         chunk = max(
             prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk),
             self._deadline_chunk(plan, prefills, local_waiting),

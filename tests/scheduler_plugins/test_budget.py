@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler_plugins.budget import (
+    DecodeTrack,
     PendingPrefill,
     StepPlan,
     admission_chunk,
@@ -19,6 +21,7 @@ from scheduler_plugins.budget import (
     partial_share,
     prefill_chunk,
     step_limit_s,
+    tpot_limit_s,
 )
 from scheduler_plugins.cost_model import CostModel, StepShape
 
@@ -175,6 +178,58 @@ def test_admission_chunk_is_the_smallest_with_which_partial_share_admits_them_al
     assert partial_share(chunk, prompts, min_chunk) == chunk - sum(prompts)
     if chunk > align:
         assert partial_share(chunk - align, prompts, min_chunk) > chunk - align - sum(prompts)
+
+
+def test_tpot_limit_is_what_the_tightest_decode_can_afford() -> None:
+    """Target 10 ms, headroom 1, decode steps of 5 ms. 9 gaps in 60 ms with 11 tokens to go: 20 gaps may take
+    200 ms, 10 later steps take 50, so the next step may take 90 ms. Another decode with more slack does not
+    loosen it; with no decode the limit is off."""
+    tight = DecodeTrack(target_s=0.010, gaps=9, elapsed_s=0.060, remaining=11)
+    slack = DecodeTrack(target_s=0.010, gaps=0, elapsed_s=0.0, remaining=1000)
+    assert tpot_limit_s([tight], 0.005, headroom=1.0) == pytest.approx(0.090)
+    assert tpot_limit_s([tight, slack], 0.005, headroom=1.0) == pytest.approx(0.090)
+    assert tpot_limit_s([], 0.005, headroom=1.0) == math.inf
+    # Headroom 0.5: 100 ms for 20 gaps, less 60 spent and 50 to come: no step fits -> left out.
+    assert tpot_limit_s([tight], 0.005, headroom=0.5) == math.inf
+    # The last token: the next step may take what is left of the whole allowance.
+    last = DecodeTrack(target_s=0.010, gaps=19, elapsed_s=0.150, remaining=1)
+    assert tpot_limit_s([last], 0.005, headroom=1.0) == pytest.approx(0.050)
+
+
+def test_tpot_limit_leaves_out_a_decode_no_step_can_save_at_the_boundary() -> None:
+    """Allowed exactly one decode step: kept (a step of the decodes alone still brings it in); a hair less:
+    left out."""
+    edge = DecodeTrack(target_s=0.010, gaps=9, elapsed_s=0.145, remaining=11)  # 200 - 145 - 50 = 5 ms
+    assert tpot_limit_s([edge], 0.005, headroom=1.0) == pytest.approx(0.005)
+    late = DecodeTrack(target_s=0.010, gaps=9, elapsed_s=0.146, remaining=11)
+    assert tpot_limit_s([late], 0.005, headroom=1.0) == math.inf
+
+
+@given(
+    gaps=st.integers(0, 500),
+    remaining=st.integers(1, 500),
+    target_ms=st.floats(1.0, 100.0),
+    step_ms=st.floats(0.5, 50.0),
+    spent=st.floats(0.0, 2.0),
+)
+def test_a_step_within_the_tpot_limit_keeps_the_mean_within_the_target(
+    gaps: int, remaining: int, target_ms: float, step_ms: float, spent: float
+) -> None:
+    """Whatever the account, a next step of the limit followed by decode-only steps ends with the mean
+    gap within the target (headroom 1), and a longer one does not."""
+    target, step = target_ms / 1e3, step_ms / 1e3
+    elapsed = spent * gaps * target  # from well ahead of the target to twice behind it
+    track = DecodeTrack(target_s=target, gaps=gaps, elapsed_s=elapsed, remaining=remaining)
+    limit = tpot_limit_s([track], step, headroom=1.0)
+    if limit == math.inf:
+        return
+
+    def mean(next_step: float) -> float:
+        return (elapsed + next_step + (remaining - 1) * step) / (gaps + remaining)
+
+    assert limit >= step
+    assert mean(limit) <= target * (1 + 1e-9)
+    assert mean(limit * 1.01 + 1e-9) > target
 
 
 @given(

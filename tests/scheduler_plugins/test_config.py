@@ -11,6 +11,7 @@ def test_defaults() -> None:
     settings = load_settings({"PATH": "/bin"}, None)
     assert settings == SchedulerSettings()
     assert settings.mode is Mode.COLOCATED and settings.itl_target_ms == 100.0
+    assert settings.tpot_target_ms == 0.0  # no TPOT account unless set
 
 
 def test_env_then_additional_config_wins() -> None:
@@ -28,6 +29,7 @@ def test_other_additional_config_sections_are_ignored() -> None:
     [
         ({"PD_SCHED_ITL_TARGET_MS": "-1"}, None, "itl_target_ms"),
         ({"PD_SCHED_ITL_TARGET_MS": "fast"}, None, "itl_target_ms"),
+        ({"PD_SCHED_TPOT_TARGET_MS": "-1"}, None, "tpot_target_ms"),
         ({"PD_SCHED_TYPO": "1"}, None, "PD_SCHED_TYPO"),
         ({}, {"scheduler_plugins": {"mode": "both"}}, "mode"),
         ({}, {"scheduler_plugins": {"headroom": 1.5}}, "headroom"),

@@ -12,7 +12,8 @@ Who calls what:
   which writes the connector factory's private registry.
 - ``scheduler_plugins.vllm.SLOScheduler`` (``--scheduler-cls``, EngineCore): ``require_scheduler`` once
   after vLLM's ``Scheduler.__init__``, then the accessors of ``scheduler`` (its private queues, token budget
-  and scheduler config copy) and the request readers (``pending_tokens``, ``is_decode``, ``is_remote_kv``).
+  and scheduler config copy) and the request readers (``pending_tokens``, ``output_tokens``, ``max_tokens``,
+  ``is_decode``, ``is_remote_kv``).
 - ``SchedulerSide`` (EngineCore): ``first_output_token`` (P, when a request finishes: the token ``Done``
   carries), ``seed_first_token`` and ``first_token_output`` (D, when a seeded load finished: P's token
   becomes its first output, and whether and how D's stream carries it); ``PDConnector.__init__`` in
@@ -61,6 +62,8 @@ from pd_connector.vllm.compat.scheduler import (
     extra_args,
     is_decode,
     is_remote_kv,
+    max_tokens,
+    output_tokens,
     pending_tokens,
     privatize_scheduler_config,
     reorder_waiting,
@@ -125,7 +128,9 @@ __all__ = [
     "kv_cache_problem",
     "kv_layout",
     "limit_busy_poll",
+    "max_tokens",
     "missing",
+    "output_tokens",
     "pending_tokens",
     "privatize_scheduler_config",
     "register_connector",

@@ -111,6 +111,16 @@ def extra_args(request: Request) -> dict[str, Any] | None:
     return request.sampling_params.extra_args if request.sampling_params else None
 
 
+def output_tokens(request: Request) -> int:
+    """Tokens the request has produced so far."""
+    return request.num_output_tokens
+
+
+def max_tokens(request: Request) -> int:
+    """The most tokens the request may produce (vLLM sets it from ``SamplingParams.max_tokens``)."""
+    return request.max_tokens
+
+
 def pending_tokens(request: Request) -> int:
     """Tokens the request still needs computed (speculative ones and output placeholders included)."""
     return request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens

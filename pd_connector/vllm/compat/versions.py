@@ -59,6 +59,7 @@ SCHEDULER_SYMBOLS = (
     "vllm.v1.request:RequestStatus.WAITING_FOR_REMOTE_KVS",
     "vllm.v1.request:Request.num_tokens",
     "vllm.v1.request:Request.num_tokens_with_spec",
+    "vllm.v1.request:Request.num_output_tokens",
 )
 #: Fields vLLM's ``Scheduler.__init__`` sets that ``SLOScheduler`` reads or writes (checked on the instance).
 SCHEDULER_FIELDS = (
