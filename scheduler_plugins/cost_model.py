@@ -3,8 +3,12 @@
 Called in the engine's scheduler process: ``predict`` while choosing a step's token budget, ``observe`` after
 the step ran, with the time measured between handing the batch to the workers and getting its output back.
 
-The fit is a least-squares solve over recent steps, redone after every step (four coefficients: the normal
-equations are a 4x4 system, microseconds), not a recursive filter. Why: the first version was recursive
+The fit is a least-squares solve over recent steps, redone when a prediction is next asked for after a step
+was observed (four coefficients: the normal equations are a 4x4 system), not a recursive filter. Not after
+every step: with the trimming and the non-negativity below a refit costs about 0.3-1 ms of the scheduler's
+CPU, which on a CPU engine shares the core with the model, and most steps (decodes with no prefill
+pending) ask for no prediction; refitting after each of them slowed every decode step by ~1-2 ms on this
+project's 2-core test machine (docs/performance.md ``## goodput``). Why: the first version was recursive
 least squares, and it failed both ways on real runs. With a confident prior it stayed near the prior's
 pessimistic per-token cost for several long prompts, because every chunk of a prompt has nearly the same
 shape (32-token chunks where 48 fitted). With a weak prior, a start-up stall followed by large corrections
@@ -96,6 +100,7 @@ class CostModel:
             raise ValueError(f"windows must hold at least 4 steps, got {prefill_window}, {decode_window}")
         self._prior = np.array(prior_s, dtype=np.float64) * _SCALE
         self._theta = self._prior.copy()
+        self._stale = False  # steps were observed since the last fit
         self._windows = (_Window(prefill_window), _Window(decode_window))
         self._prior_weight = prior_weight
         self._outlier_factor = outlier_factor
@@ -105,19 +110,31 @@ class CostModel:
     @property
     def coefficients_s(self) -> tuple[float, float, float, float]:
         """(a, b, c, d) in seconds per unscaled unit, as fitted now."""
-        a, b, c, d = (self._theta / _SCALE).tolist()
+        a, b, c, d = (self._fitted() / _SCALE).tolist()
         return a, b, c, d
 
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds for ``shape``; coefficients are non-negative, so more work never predicts less
         time (the budget search relies on that)."""
-        return float(self._theta @ shape.features())
+        return float(self._fitted() @ shape.features())
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """Add one measured step and refit (invalid measurements are ignored)."""
+        """Add one measured step (invalid measurements are ignored); the next prediction refits."""
         if not np.isfinite(seconds) or seconds <= 0:
             return
         self._windows[0 if shape.prefill_tokens else 1].add(shape.features(), seconds)
+        self._stale = True
+        self.observations += 1
+        self.prefill_observations += bool(shape.prefill_tokens)
+
+    def _fitted(self) -> npt.NDArray[np.float64]:
+        """The coefficients fitted to every step observed so far (refitted once after new ones)."""
+        if self._stale:
+            self._theta = self._refit()
+            self._stale = False
+        return self._theta
+
+    def _refit(self) -> npt.NDArray[np.float64]:
         x = np.concatenate([w.x for w in self._windows])
         y = np.concatenate([w.y for w in self._windows])
         keep = np.ones(len(y), dtype=bool)
@@ -129,9 +146,7 @@ class CostModel:
             if (trimmed == keep).all():
                 break
             keep = trimmed
-        self._theta = theta
-        self.observations += 1
-        self.prefill_observations += bool(shape.prefill_tokens)
+        return theta
 
     def _solve(self, x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """argmin |y - x theta|^2 + w |theta - prior|^2 over theta >= 0 (w: ``prior_weight``)."""

@@ -188,14 +188,17 @@ class SLOScheduler(Scheduler):
         decodes = [r for r in running if compat.is_decode(r)]
         prefills = deadline_order([r for r in running if not compat.is_decode(r)], self._deadline)
         self._order_waiting()
+        planned = False
         if self.slo.mode is Mode.PREFILL:
             self._set_budget(self._engine_cap, self._user_long_prefill)
         else:
-            self._plan_step(decodes, prefills)
+            planned = self._plan_step(decodes, prefills)
         compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)
         shape = self._shape_of(output) if output.total_num_scheduled_tokens else None
-        predicted = self.cost_model.predict(shape) if shape is not None else 0.0
+        # Only a planned step's prediction is checked against its time (cycle/predicted in the log): a
+        # prediction refits the model, which costs the model's core time on steps that asked it nothing.
+        predicted = self.cost_model.predict(shape) if shape is not None and planned else 0.0
         self._clock.scheduled(shape, predicted, time.perf_counter(), self._workers.seconds())
         return output
 
@@ -229,8 +232,9 @@ class SLOScheduler(Scheduler):
             ordered.sort(key=lambda r: not compat.is_remote_kv(r))  # stable: deadline order within each
         compat.reorder_waiting(self, ordered)
 
-    def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> None:
-        """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node)."""
+    def _plan_step(self, decodes: list[Request], prefills: list[Request]) -> bool:
+        """Colocated/decode: budget = decode tokens + SLO chunk (+ remote-load reserve on a decode node).
+        Whether a chunk was planned (False: no prefill pending, the engine's cap stands)."""
         waiting = compat.waiting_with_kv(self)
         remote = [r for r in waiting if compat.is_remote_kv(r)] if self.slo.mode is Mode.DECODE else []
         local_waiting = [r for r in waiting if not compat.is_remote_kv(r)] if remote else waiting
@@ -239,7 +243,7 @@ class SLOScheduler(Scheduler):
         reserve = len(remote)
         if candidate is None:
             self._set_budget(self._engine_cap, self._user_long_prefill)
-            return
+            return False
         # The strictest ITL target among the step's requests (the chunk's owner too: it decodes next); a
         # request's own target never loosens the server's.
         target_ms = min(
@@ -277,6 +281,7 @@ class SLOScheduler(Scheduler):
         threshold = min(share, self._user_long_prefill) if self._user_long_prefill else share
         self._set_budget(max(1, budget), max(1, threshold))
         self._log_budget(target_ms, chunk, share, plan, limit_s)
+        return True
 
     def _deadline_chunk(self, plan: StepPlan, prefills: list[Request], waiting: list[Request]) -> int:
         """The chunk with which the pending prefills are predicted to end by their TTFT deadlines, and with

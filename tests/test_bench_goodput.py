@@ -164,7 +164,11 @@ def test_pd_lend_systems_are_pd_with_lending_and_count_as_ours(tmp_path: Path) -
     assert "--scheduler-cls" in p and "--scheduler-cls" not in d  # P's lent chats get bounded steps
     # The TPOT SLO is the scheduler's TPOT target (a mean), not its ITL target (each gap).
     targets = {k: v for k, v in slo.engines[0].env.items() if k.endswith("_TARGET_MS")}
-    assert targets == {"PD_SCHED_TTFT_TARGET_MS": "500", "PD_SCHED_TPOT_TARGET_MS": "11.0"}
+    assert targets == {
+        "PD_SCHED_TTFT_TARGET_MS": "500",
+        "PD_SCHED_TPOT_TARGET_MS": "11.0",
+        "PD_SCHED_ITL_TARGET_MS": "500",
+    }
     assert slo.router_config["sections"]["policy"] == {"lend_max_active": LEND_MAX_ACTIVE}
     assert ratios({"aggregated": 4.0, "pd_lend_slo": 6.0})["best_ours_over_aggregated"] == 1.5
 
