@@ -81,9 +81,10 @@ def tpot_limit_s(tracks: Iterable[DecodeTrack], decode_step_s: float, headroom: 
 
     Why: a TPOT target is a mean over the answer. A per-gap limit (the ITL target) set to it spends the whole
     allowance on every step that carries a chunk, so the mean ends near the target, and vLLM's own scheduler,
-    one long stall and then fast steps, met the mean more often (docs/performance.md ``## goodput``). The
-    slack each decode has left lets a step be long while every decode beside it can afford it, and short
-    when one cannot. A decode that ends before ``max_tokens`` (EOS) has fewer fast steps than counted.
+    one long stall and then fast steps, met the mean more often (docs/performance.md ``## goodput``,
+    mixed). The slack each decode has left lets a step be long while every decode beside it can afford it,
+    and short when one cannot. A decode that ends before ``max_tokens`` (EOS) has fewer fast steps than
+    counted.
     """
     limit = math.inf
     for track in tracks:

@@ -3,17 +3,17 @@
 Called in the engine's scheduler process: ``predict`` while choosing a step's token budget, ``observe`` after
 the step ran, with the time measured between handing the batch to the workers and getting its output back.
 
-The fit is a least-squares solve over recent steps, redone when a prediction is next asked for after a step
-was observed (four coefficients: the normal equations are a 4x4 system), not a recursive filter. Not after
-every step: with the trimming and the non-negativity below a refit costs about 0.3-1 ms of the scheduler's
-CPU, which on a CPU engine shares the core with the model, and most steps (decodes with no prefill
-pending) ask for no prediction; refitting after each of them slowed every decode step by ~1-2 ms on this
-project's 2-core test machine (docs/performance.md ``## goodput``). Why: the first version was recursive
-least squares, and it failed both ways on real runs. With a confident prior it stayed near the prior's
-pessimistic per-token cost for several long prompts, because every chunk of a prompt has nearly the same
-shape (32-token chunks where 48 fitted). With a weak prior, a start-up stall followed by large corrections
-made it diverge to absurd values (chunks stuck at the floor). A solve over a window has no state to wind
-up or diverge. It is kept robust and physical by three rules:
+The fit is a least-squares solve over recent steps (four coefficients: the normal equations are a 4x4
+system), redone when a prediction is next asked for after new steps were observed, not after every step:
+with the trimming and the non-negativity below it is the scheduler's largest per-step cost, a CPU engine's
+scheduler shares its core with the model, and most steps (decodes with no prefill pending) ask for no
+prediction (docs/performance.md ``## scheduler`` measured what a refit after every step cost the decodes).
+It is not a recursive filter. Why: the first version was recursive least squares, and it failed both ways
+on real runs. With a confident prior it stayed near the prior's pessimistic per-token cost for several long
+prompts, because every chunk of a prompt has nearly the same shape (32-token chunks where 48 fitted). With
+a weak prior, a start-up stall followed by large corrections made it diverge to absurd values (chunks stuck
+at the floor). A solve over a window has no state to wind up or diverge. It is kept robust and physical by
+three rules:
 
 - two windows: the last ``prefill_window`` steps that carried a prefill chunk and the last
   ``decode_window`` that did not, so a long decode-only phase cannot push the prefill cost out of memory;

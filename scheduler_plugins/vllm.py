@@ -117,7 +117,7 @@ class SLOScheduler(Scheduler):
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
         # When each running decode's first token was out (time.monotonic()), for its TPOT account; an entry
-        # goes when its request leaves the scheduler (_track_decodes).
+        # goes when its request leaves the scheduler (_note_first_tokens).
         self._first_token_at: dict[str, float] = {}
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g headroom=%g chunk_align=%d "
@@ -151,19 +151,24 @@ class SLOScheduler(Scheduler):
         own = self._request_target_ms(request, TPOT_TARGET_ARG, server)
         return min(own, server) if server else own
 
-    def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
-        """The TPOT accounts of the running decodes that have a target. A decode's first token came out in
-        the step before the one it is first seen in as a decode, so that is when its account starts; the
-        starts of requests that left the scheduler are forgotten here."""
-        now = time.monotonic()
+    def _note_first_tokens(self, decodes: list[Request], now: float) -> None:
+        """Every step: a decode's first token came out in the step before the first one that finds it
+        decoding, so its TPOT account starts now if it is new; the requests that left are forgotten."""
         for request_id in [r for r in self._first_token_at if compat.scheduled_request(self, r) is None]:
             del self._first_token_at[request_id]
+        for request in decodes:
+            self._first_token_at.setdefault(request.request_id, now)
+
+    def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
+        """The TPOT accounts of the running decodes that have a target (``_note_first_tokens`` started
+        them)."""
+        now = time.monotonic()
         tracks = []
         for request in decodes:
             target_ms = self._tpot_target_ms(request)
             if not target_ms:
                 continue
-            first = self._first_token_at.setdefault(request.request_id, now)
+            first = self._first_token_at.get(request.request_id, now)
             produced = compat.output_tokens(request)
             tracks.append(
                 DecodeTrack(
@@ -186,6 +191,7 @@ class SLOScheduler(Scheduler):
         self._observe(self._clock.begin(time.perf_counter(), time.process_time()))
         running = compat.running(self)
         decodes = [r for r in running if compat.is_decode(r)]
+        self._note_first_tokens(decodes, time.monotonic())
         prefills = deadline_order([r for r in running if not compat.is_decode(r)], self._deadline)
         self._order_waiting()
         planned = False
