@@ -19,6 +19,7 @@ Imports no SGLang until a function runs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -179,7 +180,9 @@ def prefill_view(scheduler: Any, running_batch: Any, lookahead: int) -> PrefillV
     targets = [_custom_params(r) for r in decodes]
     partial = scheduler.chunked_req
     pending = [] if partial is None else [_pending(partial, int(partial.extend_end or 0))]
-    pending += [_pending(r, 0) for r in list(scheduler.waiting_queue)[: max(0, lookahead - len(pending))]]
+    pending += [
+        _pending(r, 0) for r in itertools.islice(scheduler.waiting_queue, max(0, lookahead - len(pending)))
+    ]
     if pending:
         targets.append(pending[0].params)
     return PrefillView(lengths, targets, pending)
