@@ -120,11 +120,12 @@ class SLOScheduler(Scheduler):
         # goes when its request leaves the scheduler (_note_first_tokens).
         self._first_token_at: dict[str, float] = {}
         logger.info(
-            "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g headroom=%g chunk_align=%d "
-            "min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
+            "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g tpot_target_ms=%g headroom=%g "
+            "chunk_align=%d min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
             self.slo.mode.value,
             self.slo.itl_target_ms,
             self.slo.ttft_target_ms,
+            self.slo.tpot_target_ms,
             self.slo.headroom,
             self._align,
             self._min_chunk,
