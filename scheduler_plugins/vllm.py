@@ -192,13 +192,13 @@ class SLOScheduler(Scheduler):
         self._observe(self._clock.begin(time.perf_counter(), time.process_time()))
         running = compat.running(self)
         decodes = [r for r in running if compat.is_decode(r)]
-        self._note_first_tokens(decodes, time.monotonic())
         prefills = deadline_order([r for r in running if not compat.is_decode(r)], self._deadline)
         self._order_waiting()
         planned = False
         if self.slo.mode is Mode.PREFILL:
             self._set_budget(self._engine_cap, self._user_long_prefill)
-        else:
+        else:  # the TPOT accounts are read by _plan_step only: a prefill node keeps none
+            self._note_first_tokens(decodes, time.monotonic())
             planned = self._plan_step(decodes, prefills)
         compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)
