@@ -30,7 +30,7 @@ from tests.polling import wait_until, wait_until_async
 
 BUDGET_LINE = re.compile(
     r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+) budget=(?P<budget>\d+) "
-    r".*? decodes=(?P<decodes>\d+)"
+    r".*? decodes=(?P<decodes>\d+) predicted_ms=\S+ limit_ms=(?P<limit>[\d.]+|inf)"
 )
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 # Decode streams ask for far more tokens than any prefill here takes steps (a 900-token prompt: 57 chunk steps
@@ -53,7 +53,9 @@ def servers(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Managed
         cpu_core=1,
         max_model_len=2048,
         extra_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
-        env={"PD_SCHED_ITL_TARGET_MS": "1000", "PD_SCHED_LOG_INTERVAL_S": "0"},
+        # A loose server target (each test tightens it per request) leaves room under its limit (85 s) for
+        # a TPOT account's.
+        env={"PD_SCHED_ITL_TARGET_MS": "100000", "PD_SCHED_LOG_INTERVAL_S": "0"},
     )
     start_servers(default, ours)
     return {"default": default, "ours": ours}
@@ -90,14 +92,17 @@ async def _complete(
 
 @contextlib.asynccontextmanager
 async def _beside_a_stream(
-    session: aiohttp.ClientSession, servers: dict[str, ManagedServer], seed: int
+    session: aiohttp.ClientSession,
+    servers: dict[str, ManagedServer],
+    seed: int,
+    xargs: dict[str, Any] | None = None,
 ) -> AsyncIterator[None]:
-    """A stream decoding on ours (server targets, a 16-token prompt) for the body's duration: the decodes a
-    prefill's chunks are sized beside. It asks for more tokens than any prefill here takes steps and is
-    cancelled on exit (vLLM aborts it)."""
+    """A stream decoding on ours (a 16-token prompt; server targets unless ``xargs`` sets its own) for the
+    body's duration: the decodes a prefill's chunks are sized beside. It asks for more tokens than any
+    prefill here takes steps and is cancelled on exit (vLLM aborts it)."""
     times: list[float] = []
     stream = asyncio.create_task(
-        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, None, times)
+        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs, times)
     )
     try:
         await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
@@ -114,12 +119,15 @@ class BudgetLine(NamedTuple):
     chunk: int
     budget: int  # the step's token budget: its decodes' tokens first, then the chunk
     decodes: int  # decode tokens running in the step
+    limit_ms: float  # how long the step may take: the ITL target's limit, or less for a TPOT target
 
 
 def _budget_lines(server: ManagedServer, since: int) -> list[BudgetLine]:
     text = server.log_path.read_text(errors="replace")[since:]
     return [
-        BudgetLine(float(m["target"]), int(m["chunk"]), int(m["budget"]), int(m["decodes"]))
+        BudgetLine(
+            float(m["target"]), int(m["chunk"]), int(m["budget"]), int(m["decodes"]), float(m["limit"])
+        )
         for m in BUDGET_LINE.finditer(text)
     ]
 
@@ -235,6 +243,39 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
     asyncio.run(run())
     assert len(long_times) == 4 and len(short_times) == 2
     assert short_times[-1] < long_times[0], "the short prompt waited for the long prompt's whole prefill"
+
+
+def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
+    servers: dict[str, ManagedServer],
+) -> None:
+    """A stream with a 20 ms TPOT target: a 900-token prompt arriving while it decodes gets a step no longer
+    than the stream's mean gap can still afford (``budget.tpot_limit_s``): at most 0.85 x 20 ms x 1999 gaps
+    = 33983 ms, less the time spent and the decode steps to come, under the server's ITL limit (100 s x 0.85).
+    The same stream without a TPOT target: the ITL limit.
+
+    Why these numbers: the stream must outlast the long prompt's arrival even when the API server, which
+    shares the engine's core, hands tokens out seconds late (a 300-token stream had ended in CI before its
+    first token reached the client), so it is the 2000-token stream of the other tests, cancelled once the
+    prompt is answered; and the account's bound must stay under the ITL limit for such a stream. The
+    account is lost (the limit then the ITL one) only if the stream's decode steps alone took over 17 ms.
+    """
+
+    async def run(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
+        since = _log_size(servers["ours"])
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as session,
+            _beside_a_stream(session, servers, seed, xargs),
+        ):
+            patient = {"ttft_target_ms": 3_600_000}
+            ids, _ = await _complete(session, servers["ours"], _prompt(seed + 1, 900), 2, patient)
+        assert len(ids) == 2
+        return [line for line in _budget_lines(servers["ours"], since) if line.decodes]
+
+    accounted = asyncio.run(run(50, {"tpot_target_ms": 20}))
+    unaccounted = asyncio.run(run(52, None))
+    assert accounted and unaccounted, "the long prompt did not arrive while the stream decoded"
+    assert {line.limit_ms for line in unaccounted} == {85000.0}, unaccounted
+    assert all(line.limit_ms < 33983 for line in accounted), accounted
 
 
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
