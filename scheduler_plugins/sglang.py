@@ -1,7 +1,7 @@
 """SGLang adapter: the SLO policy (``budget``, ``cost_model``) sizing each prefill chunk of an SGLang server.
 
 Enabled with ``PD_SGLANG_SCHEDULER=slo`` in the SGLang server's environment: ``pd_connector.sglang.plugin``
-(the ``sglang.srt.plugins`` entry point) then calls ``register``, which puts four hooks on SGLang's
+(the ``sglang.srt.plugins`` entry point) then calls ``register``, which puts five hooks on SGLang's
 ``Scheduler`` through SGLang's ``HookRegistry`` (every touch of SGLang is in
 ``pd_connector.sglang.compat.scheduler``). All run in SGLang's scheduler process, on its scheduling thread:
 
@@ -11,8 +11,12 @@ Enabled with ``PD_SGLANG_SCHEDULER=slo`` in the SGLang server's environment: ``p
   running decodes + the chunk ``budget.prefill_chunk`` picks for the partial prefill under way (else the first
   waiting request). SGLang hands it to ``PrefillAdder`` as ``rem_chunk_tokens`` and, with mixed chunks,
   subtracts the decodes riding along, so the prefill gets exactly the chunk;
-- before ``run_batch`` and after ``process_batch_result``: the step's shape and its time (the forward pass and
-  SGLang's handling of the result) are fed to the cost model.
+- before ``run_batch``, after ``process_batch_result`` and before ``on_idle`` (the loop found nothing to run):
+  the step's shape and its time are fed to the cost model, by default its whole cycle as for vLLM
+  (``scheduler_plugins.step_clock``): from the start of one ``run_batch`` to the start of the next when the
+  loop ran straight on, else to the end of its result's handling; with ``step_time=forward``, from the start
+  of ``run_batch`` to the end of ``process_batch_result`` (the measure before: it left out SGLang's
+  receiving and scheduling between steps, and the predictions fell short of the gaps clients saw).
 
 Piggybacking needs ``--enable-mixed-chunk``: without it SGLang runs prefill chunks as steps of their own and
 the decodes wait for the whole prompt whatever the chunk size, so the adapter refuses to start without it.
@@ -28,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +45,9 @@ from scheduler_plugins.budget import (
     prefill_chunk,
     step_limit_s,
 )
-from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, positive_ms
-from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
+from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
+from scheduler_plugins.cost_model import CostModel, step_shape
+from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepSample, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +56,12 @@ ENABLE_ENV = "PD_SGLANG_SCHEDULER"
 ENABLE_VALUE = "slo"
 ITL_TARGET_ARG = "itl_target_ms"  # per request, in ``sampling_params.custom_params``
 TTFT_TARGET_ARG = "ttft_target_ms"  # likewise
-#: Steps started but not yet ended (two with the overlap scheduler); a bound, so a step whose result never
-#: comes cannot grow the queue.
-_MAX_IN_FLIGHT = 4
 
 
 class SLOChunker:
-    """One scheduler's policy state: settings, cost model, the steps in flight. Built by ``init_hook``."""
+    """One scheduler's policy state: settings, cost model, the step clock. Built by ``init_hook``, in the
+    scheduler process (SGLang CPU runs the model on that process's main thread, whose wait for a CPU the log
+    line reports as ``worker_wait``)."""
 
     def __init__(self, settings: SchedulerSettings, facts: compat.ServerFacts) -> None:
         problems = refusals(settings, facts)
@@ -74,13 +77,17 @@ class SLOChunker:
         self.cost_model = CostModel()
         self.active = True
         self.last_chunk: int | None = None
-        self._in_flight: deque[tuple[StepShape, float]] = deque(maxlen=_MAX_IN_FLIGHT)
+        self._clock = StepClock()
+        self._stats = StepStats()
+        self._model_thread = RunQueueWait([os.getpid()])
+        self._planned = False  # this iteration chose a chunk: its step's prediction is logged against it
         self._last_log = 0.0
         self._last_target_ms = settings.itl_target_ms
 
     def chunked_prefill_size(self, view: compat.PrefillView) -> int | None:
         """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is
         pending (SGLang's value stays)."""
+        self._planned = bool(view.pending)
         if not view.pending:
             return None
         target_ms = min(
@@ -136,12 +143,30 @@ class SLOChunker:
         return target
 
     def step_started(self, rows: list[tuple[int, int]]) -> None:
-        self._in_flight.append((step_shape(rows), time.perf_counter()))
+        """Before ``run_batch``: the previous step's cycle ends if the loop ran straight on, and this one
+        starts. Only a step whose chunk was chosen is predicted (a prediction refits the model)."""
+        now = time.perf_counter()
+        self._observe(self._clock.begin(now, time.process_time()))
+        shape = step_shape(rows) if rows else None
+        predicted = self.cost_model.predict(shape) if shape is not None and self._planned else 0.0
+        self._planned = False
+        self._clock.scheduled(shape, predicted, now, self._model_thread.seconds())
 
     def step_ended(self) -> None:
-        if self._in_flight:
-            shape, started = self._in_flight.popleft()
-            self.cost_model.observe(shape, time.perf_counter() - started)
+        """After ``process_batch_result``: whether SGLang loops on is known only at its next iteration."""
+        now = time.perf_counter()
+        self._observe(self._clock.updated(now, now, time.process_time(), True, self._model_thread.seconds()))
+
+    def went_idle(self) -> None:
+        """Before ``on_idle``: the loop found nothing to run, so the last step's cycle ended at its result."""
+        self._observe(self._clock.idle())
+
+    def _observe(self, sample: StepSample | None) -> None:
+        if sample is None:
+            return
+        cycle = self.slo.step_time is StepTime.CYCLE
+        self.cost_model.observe(sample.shape, sample.cycle_s if cycle else sample.forward_s)
+        self._stats.add(sample)
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Turn the adapter off for this scheduler, in one log line: SGLang's own chunk size from now on."""
@@ -160,10 +185,11 @@ class SLOChunker:
             return
         self._last_log, self._last_target_ms = now, target_ms
         logger.info(
-            "SLO scheduler chunk: itl_target_ms=%g chunk=%d %s",
+            "SLO scheduler chunk: itl_target_ms=%g chunk=%d %s %s",
             target_ms,
             chunk,
             explain(self.cost_model, plan, chunk, limit_s),
+            self._stats.summary(),
         )
 
 
@@ -202,17 +228,20 @@ def init_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     chunker = SLOChunker(settings, facts)
     if facts.overlap:
         logger.warning(
-            "SLO scheduler: with the overlap scheduler a step's measured time includes the scheduling of the "
-            "next one (proven with --disable-overlap-schedule only)"
+            "SLO scheduler: with the overlap scheduler SGLang handles a step's result after launching the "
+            "next step, so the time learned for each step is largely its predecessor's (proven with "
+            "--disable-overlap-schedule only)"
         )
     compat.attach(scheduler, chunker)
     logger.info(
-        "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d chunked_prefill_size=%d",
+        "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d chunked_prefill_size=%d "
+        "step_time=%s",
         settings.itl_target_ms,
         settings.headroom,
         chunker.align,
         chunker.min_chunk,
         chunker.engine_cap,
+        settings.step_time.value,
     )
 
 
@@ -235,21 +264,33 @@ def prefill_hook(original_fn: Any, scheduler: Any, *args: Any, **kwargs: Any) ->
 
 
 def run_hook(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Before ``run_batch(batch)``: the step starts (its shape and start time)."""
+    """Before ``run_batch(batch)``: the step starts (its shape and start time); the one before it ends if the
+    loop ran straight on."""
     chunker = compat.attached(scheduler)
     if chunker is not None and chunker.active:
         try:
             chunker.step_started(compat.batch_rows(kwargs["batch"] if "batch" in kwargs else args[0]))
         except Exception as exc:
-            chunker.fail("reading the step's shape", exc)
+            chunker.fail("timing the step", exc)
 
 
 def result_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """After ``process_batch_result``: the oldest step in flight ended; the cost model learns its time."""
+    """After ``process_batch_result``: the step's output was handled (its cycle ends at the next step)."""
     chunker = compat.attached(scheduler)
     if chunker is not None and chunker.active:
         try:
             chunker.step_ended()
+        except Exception as exc:
+            chunker.fail("timing the step", exc)
+
+
+def idle_hook(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before ``on_idle`` (SGLang's loop found nothing to run): the last step's cycle ended at its result;
+    the cost model learns it."""
+    chunker = compat.attached(scheduler)
+    if chunker is not None and chunker.active:
+        try:
+            chunker.went_idle()
         except Exception as exc:
             chunker.fail("fitting the cost model", exc)
 
@@ -269,4 +310,4 @@ def register(env: Mapping[str, str] = os.environ) -> None:
     if problem is not None:
         logger.error("%s", problem)
         return
-    compat.hook_scheduler(init_hook, prefill_hook, run_hook, result_hook)
+    compat.hook_scheduler(init_hook, prefill_hook, run_hook, result_hook, idle_hook)

@@ -1,8 +1,11 @@
 """What one engine iteration costs as a client sees it, and whether the ITL target can be held at all.
 
-Called in the engine's scheduler process by an adapter (``scheduler_plugins.vllm``) at three points of every
-iteration: when it starts building a step (``begin``), when the step is handed to the workers
-(``scheduled``), and when the step's output has been handled (``updated``).
+Called in the engine's scheduler process by an adapter at three points of every iteration: when it starts
+building a step (``begin``), when the step is handed to the workers (``scheduled``), and when the step's
+output has been handled (``updated``). ``scheduler_plugins.vllm`` calls them from ``schedule()`` and
+``update_from_output()`` and knows at ``updated`` whether the engine loops on; ``scheduler_plugins.sglang``
+calls ``begin`` and ``scheduled`` just before ``run_batch``, ``updated`` after ``process_batch_result``, and
+``idle`` when SGLang's loop finds nothing to run (it cannot tell earlier).
 
 Why the whole cycle and not the forward pass: a client sees one token per iteration, and an iteration is the
 forward pass plus the scheduler's own work, the engine's output handling, and, when the API server runs on
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,16 +54,25 @@ class StepClock:
         self._begin: tuple[float, float] | None = None  # (wall, cpu) when the step being built started
         # shape, prediction, begin wall, begin cpu, then: sent + workers' wait at sent / forward + their wait
         self._step: tuple[StepShape, float, float, float, float, float] | None = None
-        self._done: tuple[StepShape, float, float, float, float, float] | None = None
+        # A step whose output was handled while the engine had work left: the sample as it stands if the
+        # engine goes idle now (``idle``), and its begin (wall, cpu), for the cycle that ends at the next one.
+        self._done: tuple[StepSample, float, float] | None = None
 
     def begin(self, now: float, cpu: float) -> StepSample | None:
         """A new iteration starts building its step: completes the previous step if the engine looped on."""
         sample = None
         if self._done is not None:
-            shape, predicted, began, cpu0, forward, wait = self._done
-            sample = StepSample(shape, predicted, forward, now - began, cpu - cpu0, wait)
+            handled, began, cpu0 = self._done
+            sample = replace(handled, cycle_s=now - began, cpu_s=cpu - cpu0)
             self._done = None
         self._begin = (now, cpu)
+        return sample
+
+    def idle(self) -> StepSample | None:
+        """The engine found nothing to run after a step reported with ``more_work=True``: that step's cycle
+        ended when its output was handled (the idle wait is not its cost)."""
+        sample = self._done[0] if self._done is not None else None
+        self._done = None
         return sample
 
     def scheduled(self, shape: StepShape | None, predicted_s: float, now: float, wait_s: float = 0.0) -> None:
@@ -77,16 +89,18 @@ class StepClock:
     ) -> StepSample | None:
         """The step's output was handled. ``forward_end``: when the output came back from the workers (and
         ``wait_s`` their total wait for a CPU then). ``more_work``: the engine loops straight into the next
-        step (so the cycle ends at its ``begin``)."""
+        step (so the cycle ends at its ``begin``), or may (``idle`` then says it did not)."""
         if self._step is None:
             return None
         shape, predicted, began, cpu0, sent, wait0 = self._step
         self._step = None
-        forward, wait = forward_end - sent, max(0.0, wait_s - wait0)
+        handled = StepSample(
+            shape, predicted, forward_end - sent, now - began, cpu - cpu0, max(0.0, wait_s - wait0)
+        )
         if more_work:
-            self._done = (shape, predicted, began, cpu0, forward, wait)
+            self._done = (handled, began, cpu0)
             return None
-        return StepSample(shape, predicted, forward, now - began, cpu - cpu0, wait)
+        return handled
 
 
 #: The most steps ``StepStats`` keeps: the adapter logs (and so resets) them only on steps that plan a

@@ -192,14 +192,70 @@ def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, cap
     assert "itl_target_ms='soon'" in caplog.text
 
 
-def test_steps_are_timed_into_the_cost_model(monkeypatch: pytest.MonkeyPatch) -> None:
+MIXED = SimpleNamespace(forward_mode=FakeMode("mixed"), extend_lens=[48, 1], prefix_lens=[96, 30])
+
+
+class Learned(CostModel):
+    """A cost model that keeps what it is taught."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+
+    def observe(self, shape: Any, seconds: float) -> None:
+        self.seen.append((shape.prefill_tokens, seconds))
+
+
+def _step(scheduler: FakeScheduler, batch: Any, clock: list[float], forward_s: float, after_s: float) -> None:
+    """One iteration of SGLang's loop as the hooks see it, on a fake perf_counter: run_batch, its result
+    handled ``forward_s`` later, and ``after_s`` more before the loop's next call (receiving, scheduling)."""
+    sglang.run_hook(scheduler, batch)
+    clock[0] += forward_s
+    sglang.result_hook(None, scheduler, batch, "result")
+    clock[0] += after_s
+
+
+@pytest.mark.parametrize(("step_time", "learned"), [("cycle", [0.030, 0.020]), ("forward", [0.020, 0.020])])
+def test_a_step_costs_its_whole_cycle_while_the_loop_runs_on(
+    monkeypatch: pytest.MonkeyPatch, step_time: str, learned: list[float]
+) -> None:
+    """By default the cost model learns each step's cycle: run_batch to the next run_batch, SGLang's own work
+    between steps included; and when the loop goes idle, only up to the end of the step's result handling.
+    With step_time=forward it learns run_batch to the result's end, as before."""
+    clock = [100.0]
+    monkeypatch.setattr(sglang.time, "perf_counter", lambda: clock[0])
     scheduler = FakeScheduler()
-    chunker = _started(monkeypatch, scheduler)
-    mixed = SimpleNamespace(forward_mode=FakeMode("mixed"), extend_lens=[48, 1], prefix_lens=[96, 30])
-    sglang.run_hook(scheduler, mixed)
-    sglang.result_hook(None, scheduler, mixed, "result")
-    sglang.result_hook(None, scheduler, mixed, "result")  # a result with no step in flight is ignored
-    assert chunker.cost_model.observations == 1
+    chunker = _started(monkeypatch, scheduler, step_time=step_time)
+    chunker.cost_model = model = Learned()
+    _step(scheduler, MIXED, clock, 0.020, 0.010)
+    assert model.seen == []  # its cycle ends at the next step, or when the loop finds nothing to run
+    _step(scheduler, MIXED, clock, 0.020, 0.500)  # the loop then idles for 0.5 s
+    sglang.idle_hook(scheduler)
+    sglang.idle_hook(scheduler)  # idle again: nothing more to learn
+    sglang.result_hook(None, scheduler, MIXED, "result")  # a result with no step started is ignored
+    # The second step's cycle ends at its result (20 ms), not after the idle wait.
+    assert [(tokens, pytest.approx(s)) for tokens, s in model.seen] == [(48, learned[0]), (48, learned[1])]
+
+
+def test_a_step_is_predicted_only_when_its_chunk_was_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prediction refits the model, so decode-only steps, which asked the policy nothing, are not
+    predicted (their ``cycle/predicted`` is not logged)."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, log_interval_s="0")
+    chunker.cost_model = CostModel(LAW)
+    predicted: list[Any] = []
+    real = chunker.cost_model.predict
+    monkeypatch.setattr(chunker.cost_model, "predict", lambda shape: predicted.append(shape) or real(shape))
+    decode = SimpleNamespace(
+        forward_mode=FakeMode("decode"), seq_lens_cpu=SimpleNamespace(tolist=lambda: [9])
+    )
+    sglang.run_hook(scheduler, decode)
+    assert predicted == []
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    _prefill(scheduler, _running(10))
+    before = len(predicted)  # the chunk's search predicts too
+    sglang.run_hook(scheduler, MIXED)
+    assert len(predicted) == before + 1 and predicted[-1].prefill_tokens == 48
 
 
 def test_a_failing_hook_falls_back_to_sglang_in_one_log_line(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
@@ -266,7 +322,8 @@ def test_register_follows_the_switch(monkeypatch: pytest.MonkeyPatch, caplog) ->
         sglang.register({sglang.ENABLE_ENV: "fast"})
     assert registered == [] and "unknown value" in caplog.text
     sglang.register({sglang.ENABLE_ENV: "slo"})
-    assert registered == [(sglang.init_hook, sglang.prefill_hook, sglang.run_hook, sglang.result_hook)]
+    hooks = (sglang.init_hook, sglang.prefill_hook, sglang.run_hook, sglang.result_hook, sglang.idle_hook)
+    assert registered == [hooks]
     monkeypatch.setattr(compat, "startup_problem", lambda: "sglang 9.9 is not supported")
     with caplog.at_level(logging.ERROR, logger=sglang.__name__):
         sglang.register({sglang.ENABLE_ENV: "slo"})

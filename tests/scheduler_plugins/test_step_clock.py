@@ -46,6 +46,19 @@ def test_cycle_ends_at_the_update_when_the_engine_goes_idle() -> None:
     assert clock.begin(now=5.0, cpu=0.05) is None
 
 
+def test_an_engine_that_tells_idleness_late_ends_the_cycle_at_the_update() -> None:
+    """SGLang's adapter reports every step with more_work=True, and idle() when its loop found nothing."""
+    clock = StepClock()
+    clock.begin(now=0.0, cpu=0.0)
+    clock.scheduled(SHAPE, predicted_s=0.05, now=0.001, wait_s=0.5)
+    assert clock.updated(forward_end=0.040, now=0.042, cpu=0.04, more_work=True, wait_s=0.51) is None
+    sample = clock.idle()
+    assert sample is not None and sample.shape == SHAPE
+    assert sample.cycle_s == pytest.approx(0.042) and sample.cpu_s == pytest.approx(0.04)
+    assert sample.forward_s == pytest.approx(0.039) and sample.worker_wait_s == pytest.approx(0.01)
+    assert clock.idle() is None and clock.begin(now=5.0, cpu=0.05) is None  # reported once
+
+
 def test_an_empty_step_is_not_measured() -> None:
     clock = StepClock()
     clock.begin(now=0.0, cpu=0.0)

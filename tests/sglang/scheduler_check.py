@@ -11,7 +11,7 @@ from scheduler_plugins import sglang as slo_scheduler
 assert slo_compat.startup_problem() is None, slo_compat.startup_problem()
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.plugins.hook_registry import HookRegistry
-names = ("__init__", "get_new_batch_prefill", "run_batch", "process_batch_result")
+names = ("__init__", "get_new_batch_prefill", "run_batch", "process_batch_result", "on_idle")
 originals = {name: getattr(Scheduler, name) for name in names}
 slo_scheduler.register({"PD_SGLANG_SCHEDULER": "slo"})
 HookRegistry.apply_hooks()

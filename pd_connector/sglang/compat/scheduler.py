@@ -6,13 +6,15 @@ top of the package's version gate. Proven on sglang ``compat.PROVEN_ON``.
 
 Who calls what (all in SGLang's scheduler process, on its one scheduling thread):
 - ``pd_connector.sglang.plugin.register`` (when ``PD_SGLANG_SCHEDULER=slo``): ``startup_problem``, then
-  ``hook_scheduler`` puts the adapter's four hooks on ``Scheduler``: AFTER ``__init__`` (``server_facts``,
+  ``hook_scheduler`` puts the adapter's five hooks on ``Scheduler``: AFTER ``__init__`` (``server_facts``,
   ``attach``), AROUND ``get_new_batch_prefill`` (``attached``, ``prefill_view``, ``chunked_prefill_size``),
-  BEFORE ``run_batch`` (``batch_rows``) and AFTER ``process_batch_result``.
+  BEFORE ``run_batch`` (``batch_rows``), AFTER ``process_batch_result`` and BEFORE ``on_idle``.
 - Why these: ``get_new_batch_prefill`` reads ``self.chunked_prefill_size`` on every call and hands it to
   ``PrefillAdder`` as ``rem_chunk_tokens`` (minus the running decodes when mixed chunks are on), so setting
   it for the duration of the call sizes that step's prefill chunk and nothing else; ``run_batch`` starts a
-  step and ``process_batch_result`` ends it (in order, also with the overlap scheduler).
+  step and ``process_batch_result`` ends it (in order, also with the overlap scheduler); the loop calls
+  ``on_idle`` instead of ``run_batch`` when it found nothing to run, the one sign that it did not run
+  straight on into another step.
 
 Imports no SGLang until a function runs.
 """
@@ -34,12 +36,13 @@ INIT = f"{_SCHEDULER}.__init__"
 GET_NEW_BATCH_PREFILL = f"{_SCHEDULER}.get_new_batch_prefill"
 RUN_BATCH = f"{_SCHEDULER}.run_batch"
 PROCESS_BATCH_RESULT = f"{_SCHEDULER}.process_batch_result"
+ON_IDLE = f"{_SCHEDULER}.on_idle"
 
 #: SGLang symbols the adapter needs: the hook targets, the hook types, where a request's own target lives.
 SYMBOLS = (
     *(
         f"{_MODULE}:Scheduler.{m}"
-        for m in ("__init__", "get_new_batch_prefill", "run_batch", "process_batch_result")
+        for m in ("__init__", "get_new_batch_prefill", "run_batch", "process_batch_result", "on_idle")
     ),
     "sglang.srt.managers.schedule_policy:PrefillAdder.__init__",
     "sglang.srt.plugins.hook_registry:HookRegistry.register",
@@ -87,17 +90,20 @@ def hook_scheduler(
     prefill_hook: Callable[..., Any],
     run_hook: Callable[..., Any],
     result_hook: Callable[..., Any],
+    idle_hook: Callable[..., Any],
 ) -> None:
     """Register the adapter's hooks (signatures: see ``HookType``): ``init_hook(result, scheduler, ...)``
     AFTER ``__init__``, ``prefill_hook(original_fn, scheduler, running_batch)`` AROUND
     ``get_new_batch_prefill``, ``run_hook(scheduler, batch)`` BEFORE ``run_batch``, ``result_hook(result,
-    scheduler, batch, result)`` AFTER ``process_batch_result``."""
+    scheduler, batch, result)`` AFTER ``process_batch_result``, ``idle_hook(scheduler)`` BEFORE
+    ``on_idle``."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(INIT, init_hook, HookType.AFTER)
     HookRegistry.register(GET_NEW_BATCH_PREFILL, prefill_hook, HookType.AROUND)
     HookRegistry.register(RUN_BATCH, run_hook, HookType.BEFORE)
     HookRegistry.register(PROCESS_BATCH_RESULT, result_hook, HookType.AFTER)
+    HookRegistry.register(ON_IDLE, idle_hook, HookType.BEFORE)
 
 
 class ServerFacts(NamedTuple):
