@@ -28,7 +28,9 @@ core 1 (``--cores 1``: like vLLM's automatic CPU binding, it leaves a core to th
 a 75 s window (the seeded schedule sends 4 long prompts in it; a 45 s window had 2, too few for a TTFT
 median), and 2 static runs, so the 4 servers of a default run fit one 15-minute slot of the shared engine
 lock. ``--ours-variant`` adds runs of ours with settings changed (the behaviour before issue 20:
-``step_time=forward,admit_during_prefill=false``).
+``step_time=forward,admit_during_prefill=false``), ``--ours-args-variant`` runs of ours with server
+arguments added (SGLang's ``--schedule-policy shortest-prefill-first``, which leaves room in a chunked
+prefill's step for shorter waiting prompts).
 
 ``static_best``: the largest static per-step budget that holds the target (window p99 and p99 <=
 the target), searched in steps of 16 tokens from an estimate derived from the default run (decode step time
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import statistics
 import sys
@@ -245,7 +248,7 @@ def run_config(
 ) -> dict:
     common: dict[str, Any] = {
         "log_dir": ROOT / "logs" / "bench",
-        "name": f"sched-{args.engine}-{name}",
+        "name": re.sub(r"[^\w.=-]+", "_", f"sched-{args.engine}-{name}"),  # a file name: no spaces
         "cpu_core": args.cores,
         "extra_args": extra,
         "env": env,
@@ -352,6 +355,14 @@ def main(argv: list[str] | None = None) -> None:
         help="also run ours with these settings changed (NAME=VALUE[,NAME=VALUE...]), reported as "
         "ours[NAME=VALUE...] (repeatable)",
     )
+    parser.add_argument(
+        "--ours-args-variant",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="also run ours with these server arguments added (one string, split on spaces), reported as "
+        "ours[ARGS], e.g. '--schedule-policy shortest-prefill-first' for SGLang (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--plot", type=Path, help="gap plot (default: docs/scheduler_gaps.png, _sglang.png for SGLang)"
@@ -403,6 +414,11 @@ def main(argv: list[str] | None = None) -> None:
         name = f"ours[{variant}]"
         changed = [*args.ours_setting, *variant.split(",")]
         results[name] = run_config(name, args, work, engine.ours_args, ours_env(changed))
+    for extra in args.ours_args_variant:
+        name = f"ours[{extra}]"
+        results[name] = run_config(
+            name, args, work, [*engine.ours_args, *extra.split()], ours_env(args.ours_setting)
+        )
     results["ours"] = run_config("ours", args, work, engine.ours_args, ours_env(args.ours_setting))
     plot(
         {

@@ -72,6 +72,32 @@ class DecodeTrack:
     elapsed_s: float  # since its first token
     remaining: int  # tokens it may still produce (max_tokens - output tokens; >= 1 while it runs)
 
+    @classmethod
+    def of(cls, target_ms: float, produced: int, max_tokens: int, elapsed_s: float) -> DecodeTrack:
+        """From what an engine holds of a decode: ``produced`` output tokens of at most ``max_tokens``,
+        the first of them ``elapsed_s`` ago."""
+        return cls(target_ms / 1e3, max(0, produced - 1), elapsed_s, max(1, max_tokens - produced))
+
+
+class FirstTokens:
+    """When each running decode's first token came out, for its ``DecodeTrack``. An adapter notes its
+    decodes every step, planned or not (a decode's first token came out in the step before the first one
+    that finds it decoding; noting only on planned steps would start an account late and count a decode
+    that ran alone as early in its answer), and forgets the requests that left."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def note(self, decoding: Iterable[str], now: float, gone: Callable[[str], bool]) -> None:
+        for request_id in [r for r in self._at if gone(r)]:
+            del self._at[request_id]
+        for request_id in decoding:
+            self._at.setdefault(request_id, now)
+
+    def elapsed_s(self, request_id: str, now: float) -> float:
+        """Since the decode's first token; 0 for one not noted yet."""
+        return now - self._at.get(request_id, now)
+
 
 def tpot_limit_s(tracks: Iterable[DecodeTrack], decode_step_s: float, headroom: float) -> float:
     """The longest next step with which every running decode's mean gap can still end within ``headroom`` x

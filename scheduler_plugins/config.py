@@ -113,3 +113,9 @@ def positive_ms(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return target if target > 0 else None
+
+
+def tightened_ms(own: float, server: float) -> float:
+    """A request's own target where the server's is optional (``tpot_target_ms``: 0 = none): its own,
+    never looser than the server's."""
+    return min(own, server) if server else own

@@ -38,14 +38,24 @@ from typing import Any
 from pd_connector.sglang.compat import scheduler as compat
 from scheduler_plugins.budget import (
     FLOOR_LOOKAHEAD,
+    DecodeTrack,
+    FirstTokens,
     PendingPrefill,
     StepPlan,
     deadline_chunk,
     explain,
     prefill_chunk,
     step_limit_s,
+    tpot_limit_s,
 )
-from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
+from scheduler_plugins.config import (
+    Mode,
+    SchedulerSettings,
+    StepTime,
+    load_settings,
+    positive_ms,
+    tightened_ms,
+)
 from scheduler_plugins.cost_model import CostModel, step_shape
 from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepSample, StepStats
 
@@ -56,6 +66,7 @@ ENABLE_ENV = "PD_SGLANG_SCHEDULER"
 ENABLE_VALUE = "slo"
 ITL_TARGET_ARG = "itl_target_ms"  # per request, in ``sampling_params.custom_params``
 TTFT_TARGET_ARG = "ttft_target_ms"  # likewise
+TPOT_TARGET_ARG = "tpot_target_ms"  # likewise
 
 
 class SLOChunker:
@@ -81,29 +92,43 @@ class SLOChunker:
         self._stats = StepStats()
         self._model_thread = RunQueueWait([os.getpid()])
         self._planned = False  # this iteration chose a chunk: its step's prediction is logged against it
+        self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
         self._last_log = 0.0
         self._last_target_ms = settings.itl_target_ms
 
     def chunked_prefill_size(self, view: compat.PrefillView) -> int | None:
         """The ``chunked_prefill_size`` for this step: decodes + the SLO chunk; None when no prefill is
         pending (SGLang's value stays)."""
+        now = time.monotonic()
+        running = {d.rid for d in view.decodes}
+        self._first_tokens.note(running, now, lambda rid: rid not in running)  # every step, planned or not
         self._planned = bool(view.pending)
         if not view.pending:
             return None
+        # The strictest ITL target among the step's requests (the candidate's too: it decodes next); a
+        # request's own target never loosens the server's.
+        params = [*(d.params for d in view.decodes), view.pending[0].params]
         target_ms = min(
             [
                 self.slo.itl_target_ms,
-                *(self._target_ms(p, ITL_TARGET_ARG, self.slo.itl_target_ms) for p in view.targets),
+                *(self._target_ms(p, ITL_TARGET_ARG, self.slo.itl_target_ms) for p in params),
             ]
         )
-        decodes = len(view.decode_lengths)
+        decodes = len(view.decodes)
         plan = StepPlan(
             decodes=decodes,
-            decode_context=sum(view.decode_lengths),
+            decode_context=sum(d.length for d in view.decodes),
             prefill_cached=view.pending[0].cached,
             max_step_tokens=self.engine_cap,
         )
-        limit_s = step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill)
+        limit_s = min(
+            step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill),
+            tpot_limit_s(
+                self._decode_tracks(view.decodes, now),
+                self.cost_model.predict(plan.shape(0)),
+                self.slo.headroom,
+            ),
+        )
         chunk = max(
             prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk),
             self._deadline_chunk(plan, view),
@@ -129,6 +154,21 @@ class SLOChunker:
             for p in view.pending
         ]
         return deadline_chunk(self.cost_model, plan, pending, self.align)
+
+    def _decode_tracks(self, decodes: list[compat.DecodeView], now: float) -> list[DecodeTrack]:
+        """The TPOT accounts of the running decodes that have a target (the server's ``tpot_target_ms``, or
+        their own in ``custom_params``, never looser) and a known length."""
+        tracks = []
+        for d in decodes:
+            own = self._target_ms(d.params, TPOT_TARGET_ARG, self.slo.tpot_target_ms)
+            target_ms = tightened_ms(own, self.slo.tpot_target_ms)
+            if target_ms and d.max_tokens > 0:
+                tracks.append(
+                    DecodeTrack.of(
+                        target_ms, d.produced, d.max_tokens, self._first_tokens.elapsed_s(d.rid, now)
+                    )
+                )
+        return tracks
 
     def _target_ms(self, params: Any, key: str, default: float) -> float:
         """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or

@@ -45,6 +45,7 @@ from pd_connector.vllm import compat
 from scheduler_plugins.budget import (
     FLOOR_LOOKAHEAD,
     DecodeTrack,
+    FirstTokens,
     PendingPrefill,
     StepPlan,
     admission_chunk,
@@ -56,7 +57,14 @@ from scheduler_plugins.budget import (
     step_limit_s,
     tpot_limit_s,
 )
-from scheduler_plugins.config import Mode, SchedulerSettings, StepTime, load_settings, positive_ms
+from scheduler_plugins.config import (
+    Mode,
+    SchedulerSettings,
+    StepTime,
+    load_settings,
+    positive_ms,
+    tightened_ms,
+)
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
 from scheduler_plugins.step_clock import (
     Feasibility,
@@ -116,9 +124,7 @@ class SLOScheduler(Scheduler):
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
-        # When each running decode's first token was out (time.monotonic()), for its TPOT account; an entry
-        # goes when its request leaves the scheduler (_note_first_tokens).
-        self._first_token_at: dict[str, float] = {}
+        self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g tpot_target_ms=%g headroom=%g "
             "chunk_align=%d min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
@@ -146,39 +152,22 @@ class SLOScheduler(Scheduler):
             return default
         return target
 
-    def _tpot_target_ms(self, request: Request) -> float:
-        """The request's TPOT target: its own, never looser than the server's; 0 when neither is set."""
-        server = self.slo.tpot_target_ms
-        own = self._request_target_ms(request, TPOT_TARGET_ARG, server)
-        return min(own, server) if server else own
-
-    def _note_first_tokens(self, decodes: list[Request], now: float) -> None:
-        """Every step: a decode's first token came out in the step before the first one that finds it
-        decoding, so its TPOT account starts now if it is new; the requests that left are forgotten."""
-        for request_id in [r for r in self._first_token_at if compat.scheduled_request(self, r) is None]:
-            del self._first_token_at[request_id]
-        for request in decodes:
-            self._first_token_at.setdefault(request.request_id, now)
-
     def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
-        """The TPOT accounts of the running decodes that have a target (``_note_first_tokens`` started
-        them)."""
+        """The TPOT accounts of the running decodes that have a target (``FirstTokens`` started them)."""
         now = time.monotonic()
         tracks = []
         for request in decodes:
-            target_ms = self._tpot_target_ms(request)
-            if not target_ms:
-                continue
-            first = self._first_token_at.get(request.request_id, now)
-            produced = compat.output_tokens(request)
-            tracks.append(
-                DecodeTrack(
-                    target_s=target_ms / 1e3,
-                    gaps=max(0, produced - 1),
-                    elapsed_s=now - first,
-                    remaining=max(1, compat.max_tokens(request) - produced),
+            own = self._request_target_ms(request, TPOT_TARGET_ARG, self.slo.tpot_target_ms)
+            target_ms = tightened_ms(own, self.slo.tpot_target_ms)
+            if target_ms:
+                tracks.append(
+                    DecodeTrack.of(
+                        target_ms,
+                        compat.output_tokens(request),
+                        compat.max_tokens(request),
+                        self._first_tokens.elapsed_s(request.request_id, now),
+                    )
                 )
-            )
         return tracks
 
     def _deadline(self, request: Request) -> float:
@@ -198,7 +187,11 @@ class SLOScheduler(Scheduler):
         if self.slo.mode is Mode.PREFILL:
             self._set_budget(self._engine_cap, self._user_long_prefill)
         else:  # the TPOT accounts are read by _plan_step only: a prefill node keeps none
-            self._note_first_tokens(decodes, time.monotonic())
+            self._first_tokens.note(
+                (r.request_id for r in decodes),
+                time.monotonic(),
+                lambda request_id: compat.scheduled_request(self, request_id) is None,
+            )
             planned = self._plan_step(decodes, prefills)
         compat.set_running_order(self, decodes + prefills)
         output = super().schedule(throttle_prefills)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from scheduler_plugins.budget import (
     DecodeTrack,
+    FirstTokens,
     PendingPrefill,
     StepPlan,
     admission_chunk,
@@ -194,6 +195,25 @@ def test_tpot_limit_is_what_the_tightest_decode_can_afford() -> None:
     # The last token: the next step may take what is left of the whole allowance.
     last = DecodeTrack(target_s=0.010, gaps=19, elapsed_s=0.150, remaining=1)
     assert tpot_limit_s([last], 0.005, headroom=1.0) == pytest.approx(0.050)
+
+
+def test_a_track_counts_gaps_from_the_first_token_and_at_least_one_token_to_come() -> None:
+    assert DecodeTrack.of(20.0, produced=10, max_tokens=50, elapsed_s=0.3) == DecodeTrack(0.020, 9, 0.3, 40)
+    # just out of its prefill: no gap yet; at max_tokens (its last step under way): one token to come
+    assert DecodeTrack.of(20.0, produced=1, max_tokens=50, elapsed_s=0.0) == DecodeTrack(0.020, 0, 0.0, 49)
+    assert DecodeTrack.of(20.0, produced=50, max_tokens=50, elapsed_s=1.0).remaining == 1
+
+
+def test_first_tokens_start_once_and_forget_what_left() -> None:
+    first = FirstTokens()
+    first.note(["a"], now=10.0, gone=lambda r: False)
+    first.note(["a", "b"], now=10.5, gone=lambda r: False)  # a keeps its start; b starts now
+    assert first.elapsed_s("a", 11.0) == pytest.approx(1.0) and first.elapsed_s("b", 11.0) == pytest.approx(
+        0.5
+    )
+    first.note(["b"], now=11.0, gone=lambda r: r == "a")
+    first.note(["a"], now=12.0, gone=lambda r: False)  # back after leaving: a new account
+    assert first.elapsed_s("a", 12.0) == 0.0 and first.elapsed_s("c", 12.0) == 0.0  # c never noted
 
 
 def test_tpot_limit_leaves_out_a_decode_no_step_can_save_at_the_boundary() -> None:

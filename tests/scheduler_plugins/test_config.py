@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_plugins.config import Mode, SchedulerSettings, load_settings
+from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, tightened_ms
 
 
 def test_defaults() -> None:
@@ -55,3 +55,9 @@ def test_default_chunks_are_finer_than_a_block() -> None:
     settings = SchedulerSettings()
     assert (settings.chunk_align(32), settings.min_chunk(32)) == (16, 16)
     assert SchedulerSettings(chunk_align_tokens=0).chunk_align(32) == 32
+
+
+def test_a_request_target_only_tightens_an_optional_server_target() -> None:
+    assert tightened_ms(30.0, 0.0) == 30.0  # no server target: the request's own
+    assert tightened_ms(30.0, 50.0) == 30.0
+    assert tightened_ms(80.0, 50.0) == 50.0  # never looser than the server's

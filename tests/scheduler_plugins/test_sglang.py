@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -23,12 +24,17 @@ CAP = 512
 LAW = (0.020, 1e-3, 1e-3, 0.0)
 
 
+def _params(custom: Any = None, max_new_tokens: int | None = 128) -> Any:
+    return SimpleNamespace(custom_params=custom, max_new_tokens=max_new_tokens)
+
+
 @dataclass
 class FakeReq:
     origin_input_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     extend_end: int | None = None
-    sampling_params: Any = field(default_factory=lambda: SimpleNamespace(custom_params=None))
+    sampling_params: Any = field(default_factory=_params)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     time_stats: Any = None  # SGLang's SchedulerReqTimeStats: scheduler_recv_time, a perf_counter() reading
 
 
@@ -65,9 +71,7 @@ class FakeScheduler:
 
 
 def _running(*lengths: int, params: Any = None) -> Any:
-    return SimpleNamespace(
-        reqs=[FakeReq(list(range(n)), sampling_params=SimpleNamespace(custom_params=params)) for n in lengths]
-    )
+    return SimpleNamespace(reqs=[FakeReq(list(range(n)), sampling_params=_params(params)) for n in lengths])
 
 
 def _started(monkeypatch: pytest.MonkeyPatch, scheduler: FakeScheduler, **settings: str) -> sglang.SLOChunker:
@@ -328,3 +332,35 @@ def test_register_follows_the_switch(monkeypatch: pytest.MonkeyPatch, caplog) ->
     with caplog.at_level(logging.ERROR, logger=sglang.__name__):
         sglang.register({sglang.ENABLE_ENV: "slo"})
     assert len(registered) == 1 and "sglang 9.9" in caplog.text
+
+
+@pytest.mark.parametrize(("tpot", "size"), [(None, CAP), ({"tpot_target_ms": 50}, 1 + 432)])
+def test_a_tpot_target_limits_the_step_to_what_the_decode_can_afford(
+    monkeypatch: pytest.MonkeyPatch, tpot: Any, size: int
+) -> None:
+    """A decode with a 50 ms TPOT target (``custom_params``), its first token 200 ms ago, 10 gaps behind and
+    10 tokens to come at 21 ms each (LAW): the step may take 0.85 x 50 ms x 20 - 200 - 9 x 21 = 461 ms, so
+    the chunk is 432 tokens (20 + 1 + 432 ms); with no TPOT target the loose ITL target allows the cap."""
+    clock = [0.0]
+    monkeypatch.setattr(sglang.time, "monotonic", lambda: clock[0])
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="10000", ttft_target_ms="3600000")
+    chunker.cost_model = CostModel(LAW)
+    stream = FakeReq(list(range(16)), output_ids=[7], sampling_params=_params(tpot, max_new_tokens=21))
+    running = SimpleNamespace(reqs=[stream])
+    _prefill(scheduler, running)  # its first token is out: its account starts now
+    clock[0] = 0.2
+    stream.output_ids = [7] * 11
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    assert _prefill(scheduler, running) == size
+
+
+def test_a_decode_of_unknown_length_keeps_no_tpot_account(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted as one token from its end, a decode with no ``max_new_tokens`` would hold the step to 0.85 x
+    50 ms (a 16-token chunk); it keeps no account, and the loose ITL target allows the cap."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="10000", tpot_target_ms="50")
+    chunker.cost_model = CostModel(LAW)
+    unbounded = FakeReq(list(range(16)), output_ids=[7], sampling_params=_params(max_new_tokens=None))
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    assert _prefill(scheduler, SimpleNamespace(reqs=[unbounded])) == CAP

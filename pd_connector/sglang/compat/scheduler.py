@@ -48,6 +48,7 @@ SYMBOLS = (
     "sglang.srt.plugins.hook_registry:HookRegistry.register",
     *(f"sglang.srt.plugins.hook_registry:HookType.{t}" for t in ("AROUND", "BEFORE", "AFTER")),
     "sglang.srt.sampling.sampling_params:SamplingParams.custom_params",  # a request's own ITL target
+    "sglang.srt.sampling.sampling_params:SamplingParams.max_new_tokens",  # a decode's length, for TPOT
 )
 #: Parameters the hooks receive by name, and ``PrefillAdder``'s chunk budget (what ``chunked_prefill_size``
 #: becomes) and mixed-decode discount, whose meaning the adapter relies on.
@@ -149,12 +150,20 @@ class PendingView(NamedTuple):
     waited_s: float  # seconds since SGLang's scheduler received it (0: not recorded)
 
 
+class DecodeView(NamedTuple):
+    """One running decode (it joins a mixed step)."""
+
+    rid: str
+    length: int  # tokens in its KV (prompt and output)
+    produced: int  # output tokens so far
+    max_tokens: int  # its ``max_new_tokens``
+    params: Any  # its ``custom_params`` (its own ITL and TPOT targets), None if unset
+
+
 class PrefillView(NamedTuple):
     """The step ``get_new_batch_prefill`` is about to build, read before it runs."""
 
-    decode_lengths: list[int]  # tokens in the KV of each running decode (they join a mixed step)
-    # the ``custom_params`` of the step's requests (decodes and the candidate), None if unset
-    targets: list[Any]
+    decodes: list[DecodeView]
     # the prefill that gets the chunk (the candidate: the partial prefill under way, else the first waiting
     # request) first, then the waiting queue in its current order; empty: no prefill
     pending: list[PendingView]
@@ -181,17 +190,22 @@ def prefill_view(scheduler: Any, running_batch: Any, lookahead: int) -> PrefillV
     stays bounded however long the queue): the partial prefill under way first, then the waiting queue.
     SGLang's policy may reorder the queue in this very call (``calc_priority``); the view keeps the order
     it had."""
-    decodes = list(getattr(running_batch, "reqs", None) or [])
-    lengths = [len(r.origin_input_ids) + len(r.output_ids) for r in decodes]
-    targets = [_custom_params(r) for r in decodes]
+    decodes = [
+        DecodeView(
+            str(r.rid),
+            len(r.origin_input_ids) + len(r.output_ids),
+            len(r.output_ids),
+            int(r.sampling_params.max_new_tokens or 0),
+            _custom_params(r),
+        )
+        for r in getattr(running_batch, "reqs", None) or []
+    ]
     partial = scheduler.chunked_req
     pending = [] if partial is None else [_pending(partial, int(partial.extend_end or 0))]
     pending += [
         _pending(r, 0) for r in itertools.islice(scheduler.waiting_queue, max(0, lookahead - len(pending)))
     ]
-    if pending:
-        targets.append(pending[0].params)
-    return PrefillView(lengths, targets, pending)
+    return PrefillView(decodes, pending)
 
 
 @contextmanager
