@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from scheduler_plugins.config import align_up
 from scheduler_plugins.cost_model import CostModel, StepShape, attended_pairs
 
 
@@ -195,7 +196,7 @@ def deadline_chunk(model: CostModel, plan: StepPlan, pending: Sequence[PendingPr
             continue  # lost whatever this step does
         steps = int(spare // per_step) if per_step > 0 else tokens  # >= 1: spare >= per_step
         chunk = -(-tokens // steps)
-        chunk = -(-chunk // align) * align
+        chunk = align_up(chunk, align)
         if chunk > room:
             chunk = room if room >= tokens else 0
         floor = max(floor, chunk)
@@ -220,7 +221,7 @@ def admission_chunk(prompts: Iterable[int], min_chunk: int, align: int, room: in
         need = admitted + tokens + max(min_chunk, largest)
         if need > room:
             break
-        admitted, chunk = admitted + tokens, min(room, -(-need // align) * align)
+        admitted, chunk = admitted + tokens, min(room, align_up(need, align))
     return chunk
 
 

@@ -79,7 +79,7 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         ``min_chunk_tokens=0`` means one alignment unit."""
         align = self.chunk_align(block_size)
         wanted = self.min_chunk_tokens or align
-        return max(align, -(-wanted // align) * align)
+        return max(align, align_up(wanted, align))
 
 
 def load_settings(env: Mapping[str, str], additional_config: Mapping[str, Any] | None) -> SchedulerSettings:
@@ -119,3 +119,8 @@ def tightened_ms(own: float, server: float) -> float:
     """A request's own target where the server's is optional (``tpot_target_ms``: 0 = none): its own,
     never looser than the server's."""
     return min(own, server) if server else own
+
+
+def align_up(tokens: int, align: int) -> int:
+    """``tokens`` rounded up to a multiple of ``align`` (chunks are multiples of the alignment)."""
+    return -(-tokens // align) * align
