@@ -6,7 +6,7 @@ transfer id; vllm-standard sends P first and D what P returned, trying other P o
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
 (``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
 ``seeding.applies`` to has D continue from P's first token, which the router streams as soon as P's leg
-answered (``first_events``), unless P answered as vLLM's NixlConnector, whose D samples its own first token:
+answered (``seeding.PrefillAnswer``), unless P answered as vLLM's NixlConnector, whose D samples its own first token:
 the client then gets D's stream alone, as from vLLM's own proxies. In pd-push, D's own stream carries P's
 token too when it can (``seeding.decode_streams_first``), and whichever of P's answer and D's first token
 event comes first is the client's first token (``opening``): an idle P's answer is a few ms ahead of D's
@@ -28,15 +28,7 @@ from router.balancer import Balancer, Worker
 from router.config import RouterConfig
 from router.http1 import Pool, Response
 from router.metrics import RouterMetrics
-from router.seeding import (
-    NotSeedable,
-    answer_may_lead,
-    applies,
-    decode_streams_first,
-    first_events,
-    first_token,
-    prompt_tokens,
-)
+from router.seeding import NotSeedable, PrefillAnswer, answer_may_lead, applies, decode_streams_first
 from router.streaming import Stitcher, StreamState, error_message, opens_chat, strip_token_ids
 from router.trace import Stamps
 from router.upstream import (
@@ -259,9 +251,10 @@ class Legs:
             opts = request.get("stream_options")
             usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
             limit = request.get("max_completion_tokens", request.get("max_tokens"))
-            events, _ = first_events(data, chat, limit if isinstance(limit, int) else None, usage)
-            prompt = prompt_tokens(data)
-            skip = first_token(data, chat) if d_first is not None else None
+            p_answer = PrefillAnswer.parse(data)
+            events, _ = p_answer.first_events(chat, limit if isinstance(limit, int) else None, usage)
+            prompt = p_answer.prompt_tokens()
+            skip = p_answer.first_token(chat) if d_first is not None else None
         except NotSeedable as e:
             if d_first is not None:
                 d_first.cancel()

@@ -6,11 +6,11 @@ samples the second one after it, so the first token reaches the client as soon a
 prefill plus one hop) and a sampled stream stays one sequence. Where D's own stream can carry the token
 (``decode_streams_first``: pd-push, no logprobs asked), D is asked to (``pd_stream_first_token``), and the
 first of the two to reach the router is the client's first token: D's stream is then relayed as it is, or
-P's answer is followed by D's events without P's token (``first_token`` says what to cut out). Otherwise D's
-API server never sees the first token, so the router writes it: ``first_events`` turns P's (non-streamed)
-answer into the stream events vLLM would have sent for it, and D's events follow through
-``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk or prompt ids, usage counting the
-first token).
+P's answer is followed by D's events without P's token (``PrefillAnswer.first_token`` says what to cut
+out). Otherwise D's API server never sees the first token, so the router writes it: ``PrefillAnswer``
+(parsed once per request) turns P's (non-streamed) answer into the stream events vLLM would have sent for
+it, and D's events follow through ``streaming.Stitcher`` (P's ``id`` and ``created``, no second role chunk
+or prompt ids, usage counting the first token).
 
 ``applies`` keeps seeding to requests where D's front end, which does not see the first token where only P's
 answer carries it, still gets everything else right: one streamed sequence, no penalties or structured
@@ -94,80 +94,95 @@ def answer_may_lead(body: dict[str, Any]) -> bool:
     return not _asked(body, _D_STREAM_ONLY)
 
 
-def _answer(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
-    try:
-        answer = msgspec.json.decode(data)
-        choice = answer["choices"][0]
-    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
-        raise NotSeedable("the prefill answer is not a completion with one choice") from None
-    if not isinstance(answer, dict) or not isinstance(choice, dict):
-        raise NotSeedable("the prefill answer is not a completion with one choice")
-    if choice.get("finish_reason") not in ("length", "stop"):
-        raise NotSeedable(f"the prefill ended with finish_reason {choice.get('finish_reason')!r}")
-    return answer, choice
+class PrefillAnswer:
+    """P's one-token answer, parsed once: the stream events it becomes, the token to cut out of D's stream,
+    the prompt length P counted. ``parse`` raises ``NotSeedable`` for anything but a completion (or chat
+    completion) with one choice that ended by length or stop."""
 
+    def __init__(self, answer: dict[str, Any], choice: dict[str, Any]) -> None:
+        self._answer, self._choice = answer, choice
 
-def first_events(
-    data: bytes, chat: bool, client_max_tokens: int | None, include_usage: bool
-) -> tuple[bytes, bool]:
-    """The stream events of P's answer ``data`` (its one token), and whether they end the stream.
+    @classmethod
+    def parse(cls, data: bytes) -> PrefillAnswer:
+        try:
+            answer = msgspec.json.decode(data)
+            choice = answer["choices"][0]
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+            raise NotSeedable("the prefill answer is not a completion with one choice") from None
+        if not isinstance(answer, dict) or not isinstance(choice, dict):
+            raise NotSeedable("the prefill answer is not a completion with one choice")
+        if choice.get("finish_reason") not in ("length", "stop"):
+            raise NotSeedable(f"the prefill ended with finish_reason {choice.get('finish_reason')!r}")
+        return cls(answer, choice)
 
-    They end it when P's token finished the request (a stop token: ``finish_reason`` "stop") or the client
-    asked for one token: then the events carry the finish reason, the usage chunk when asked, and
-    ``[DONE]``, and D's leg is dropped. Fields vLLM streams (``token_ids``, ``prompt_token_ids``,
-    ``logprobs``) are passed as P returned them; ``streaming.strip_token_ids`` hides ids the client did not ask
-    for, as on D's events.
-    """
-    answer, choice = _answer(data)
-    head = {"id": answer.get("id", ""), "created": answer.get("created", 0), "model": answer.get("model", "")}
-    complete = choice.get("finish_reason") == "stop" or client_max_tokens == 1
-    finish = choice.get("finish_reason") if complete else None
-    chunks: list[dict[str, Any]] = []
-    if chat:
-        obj = "chat.completion.chunk"
-        message = choice.get("message") or {}
-        role: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        role["finish_reason"] = None
-        first: dict[str, Any] = {**head, "object": obj, "choices": [role]}
-        if "prompt_token_ids" in answer:
-            first["prompt_token_ids"] = answer["prompt_token_ids"]
-        chunks.append(first)
-        token = {"index": 0, "delta": {"content": message.get("content") or ""}}
-        token.update(
-            logprobs=choice.get("logprobs"), finish_reason=finish, stop_reason=choice.get("stop_reason")
-        )
-        if "token_ids" in choice:
-            token["token_ids"] = choice["token_ids"]
-        chunks.append({**head, "object": obj, "choices": [token]})
-    else:
-        obj = "text_completion"
-        token = {"index": 0, "text": choice.get("text") or "", "logprobs": choice.get("logprobs")}
-        token.update(finish_reason=finish, stop_reason=choice.get("stop_reason"))
-        for field in ("token_ids", "prompt_token_ids"):
-            if field in choice:
-                token[field] = choice[field]
-        chunks.append({**head, "object": obj, "choices": [token]})
-    out = b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks)
-    if complete:
-        if include_usage and isinstance(answer.get("usage"), dict):
-            out += b"data: " + msgspec.json.encode(
-                {**head, "object": obj, "choices": [], "usage": answer["usage"]}
+    def first_events(
+        self, chat: bool, client_max_tokens: int | None, include_usage: bool
+    ) -> tuple[bytes, bool]:
+        """The stream events of the answer (its one token), and whether they end the stream.
+
+        They end it when P's token finished the request (a stop token: ``finish_reason`` "stop") or the
+        client asked for one token: then the events carry the finish reason, the usage chunk when asked, and
+        ``[DONE]``, and D's leg is dropped. Fields vLLM streams (``token_ids``, ``prompt_token_ids``,
+        ``logprobs``) are passed as P returned them; ``streaming.strip_token_ids`` hides ids the client did
+        not ask for, as on D's events.
+        """
+        answer, choice = self._answer, self._choice
+        head = {
+            "id": answer.get("id", ""),
+            "created": answer.get("created", 0),
+            "model": answer.get("model", ""),
+        }
+        complete = choice.get("finish_reason") == "stop" or client_max_tokens == 1
+        finish = choice.get("finish_reason") if complete else None
+        chunks: list[dict[str, Any]] = []
+        if chat:
+            obj = "chat.completion.chunk"
+            message = choice.get("message") or {}
+            role: dict[str, Any] = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+            }
+            role["finish_reason"] = None
+            first: dict[str, Any] = {**head, "object": obj, "choices": [role]}
+            if "prompt_token_ids" in answer:
+                first["prompt_token_ids"] = answer["prompt_token_ids"]
+            chunks.append(first)
+            token = {"index": 0, "delta": {"content": message.get("content") or ""}}
+            token.update(
+                logprobs=choice.get("logprobs"), finish_reason=finish, stop_reason=choice.get("stop_reason")
             )
-            out += b"\n\n"
-        out += DONE
-    return out, complete
+            if "token_ids" in choice:
+                token["token_ids"] = choice["token_ids"]
+            chunks.append({**head, "object": obj, "choices": [token]})
+        else:
+            obj = "text_completion"
+            token = {"index": 0, "text": choice.get("text") or "", "logprobs": choice.get("logprobs")}
+            token.update(finish_reason=finish, stop_reason=choice.get("stop_reason"))
+            for field in ("token_ids", "prompt_token_ids"):
+                if field in choice:
+                    token[field] = choice[field]
+            chunks.append({**head, "object": obj, "choices": [token]})
+        out = b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks)
+        if complete:
+            if include_usage and isinstance(answer.get("usage"), dict):
+                out += b"data: " + msgspec.json.encode(
+                    {**head, "object": obj, "choices": [], "usage": answer["usage"]}
+                )
+                out += b"\n\n"
+            out += DONE
+        return out, complete
 
+    def first_token(self, chat: bool) -> FirstToken:
+        """P's token as the answer gives it (its ids, when the router asked for them, and its text), to be cut
+        out of D's stream when D streams it too."""
+        ids = self._choice.get("token_ids")
+        text = (self._choice.get("message") or {}).get("content") if chat else self._choice.get("text")
+        return FirstToken(ids if isinstance(ids, list) else None, text if isinstance(text, str) else "")
 
-def first_token(data: bytes, chat: bool) -> FirstToken:
-    """P's token as P's answer ``data`` gives it (its ids, when the router asked for them, and its text), to be
-    cut out of D's stream when D streams it too."""
-    _, choice = _answer(data)
-    ids = choice.get("token_ids")
-    text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
-    return FirstToken(ids if isinstance(ids, list) else None, text if isinstance(text, str) else "")
-
-
-def prompt_tokens(data: bytes) -> int:
-    """The prompt length P counted (its usage), which the stitched usage of D's stream reports."""
-    usage = msgspec.json.decode(data).get("usage") or {}
-    return int(usage.get("prompt_tokens") or 0)
+    def prompt_tokens(self) -> int:
+        """The prompt length P counted (its usage; 0 when it gave none), which the stitched usage of D's
+        stream reports."""
+        usage = self._answer.get("usage")
+        count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return count if isinstance(count, int) else 0

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from router.seeding import NotSeedable, answer_may_lead, applies, first_events
+from router.seeding import NotSeedable, PrefillAnswer, answer_may_lead, applies
 from test_support.fake_vllm import generate
 from tests.polling import wait_until_async
 from tests.router.conftest import MODEL, long_prompt
@@ -273,11 +273,21 @@ def test_first_events_end_the_stream_on_a_stop_token_and_refuse_what_is_not_an_a
         "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
     }
-    events, complete = first_events(msgspec.json.encode(answer), False, 16, True)
+    events, complete = PrefillAnswer.parse(msgspec.json.encode(answer)).first_events(False, 16, True)
     items = payloads(events)
     assert complete and items[-1] == "[DONE]"
     assert items[0]["choices"][0]["finish_reason"] == "stop" and items[1]["usage"]["total_tokens"] == 4
     answer["choices"][0]["finish_reason"] = "abort"
     for bad in (b"not json", b'{"choices": []}', msgspec.json.encode(answer)):
         with pytest.raises(NotSeedable):
-            first_events(bad, False, 16, False)
+            PrefillAnswer.parse(bad)
+
+
+def test_the_prompt_length_is_the_answers_usage_and_zero_without_one() -> None:
+    choices = [{"index": 0, "text": "a", "finish_reason": "length"}]
+    answer = {"choices": choices, "usage": {"prompt_tokens": 7}}
+    assert PrefillAnswer.parse(msgspec.json.encode(answer)).prompt_tokens() == 7
+    usages: list[object] = [None, 5, {"prompt_tokens": "7"}]
+    for usage in usages:  # a malformed usage is no count, not a crash
+        data = msgspec.json.encode({"choices": choices, "usage": usage})
+        assert PrefillAnswer.parse(data).prompt_tokens() == 0
