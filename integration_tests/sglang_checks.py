@@ -30,6 +30,9 @@ CHUNK_TOKENS = 48
 SLO_PROMPT = "".join(f"total_{i} = merge(total_{i - 1}, {i * 7})\n" for i in range(1, 16))
 #: The stream running beside ``SLO_PROMPT``: long enough to decode through its whole prefill.
 COMPANION_PROMPT, COMPANION_TOKENS = "The list of primes starts", 400
+#: Sent beside a stream whose TPOT target is ``TPOT_TARGET_MS``: the steps' limit is that stream's account.
+TPOT_PROMPT = "".join(f"row_{i} = scale(row_{i - 1}, {i * 5})\n" for i in range(1, 9))
+TPOT_TARGET_MS = 50
 SLO_MIN_CHUNK = 16  # scheduler_plugins' minimum chunk (one 16-token alignment unit) on SGLang's 1-token pages
 NUM_LAYERS = PRESETS["tiny"].num_layers
 MAX_NEW_TOKENS = 12
@@ -163,12 +166,14 @@ def decode_transfer_queue(decode: ManagedServer) -> int:
 @dataclass(frozen=True)
 class Aggregated:
     """What the aggregated (SLO-scheduled) server answered: the reference replies, and its reply to
-    ``SLO_PROMPT`` under a 1 ms ITL target with the server log before and during that request."""
+    ``SLO_PROMPT`` under a 1 ms ITL target with the server log before and during that request; then the log
+    during ``TPOT_PROMPT``, sent beside a stream with a TPOT target of ``TPOT_TARGET_MS``."""
 
     replies: dict[str, Reply]
     slo_reply: Reply
     reference_log: str
     slo_log: str
+    tpot_log: str
 
 
 def assert_slo_chunks(aggregated: Aggregated, loose_target_ms: float) -> None:
@@ -191,14 +196,20 @@ def assert_slo_chunks(aggregated: Aggregated, loose_target_ms: float) -> None:
 
 
 def answer_with_target(
-    server: ManagedServer, prompt: str, max_new_tokens: int, itl_target_ms: float
+    server: ManagedServer,
+    prompt: str,
+    max_new_tokens: int,
+    targets: dict[str, float],
+    companion_targets: dict[str, float] | None = None,
 ) -> tuple[Reply, str, str]:
-    """Greedy ``/generate`` with the request's own ITL target (``custom_params``, read by
-    scheduler_plugins.sglang), sent while another request streams: its prefill shares every step with a
-    decode (a prefill alone is not chunked, ``budget.step_limit_s``). Returns the reply and the server log
-    before and during the request."""
+    """Greedy ``/generate`` with the request's own ``targets`` (``custom_params``, read by
+    scheduler_plugins.sglang), sent while another request streams (with ``companion_targets``, if any): its
+    prefill shares every step with a decode (a prefill alone is not chunked, ``budget.step_limit_s``).
+    Returns the reply and the server log before and during the request."""
     companion = body(COMPANION_PROMPT, COMPANION_TOKENS, None, None)
     companion["sampling_params"]["ignore_eos"] = True
+    if companion_targets:
+        companion["sampling_params"]["custom_params"] = companion_targets
     with streaming(base_url(server), companion, events=3, timeout_s=120) as seen:
         assert seen == 3, f"the companion stream ended after {seen} events"
         logged = len(server.log_path.read_bytes())
@@ -206,9 +217,24 @@ def answer_with_target(
             "temperature": 0,
             "max_new_tokens": max_new_tokens,
             # No TTFT deadline within reach: the chunks are the ITL target's alone.
-            "custom_params": {"itl_target_ms": itl_target_ms, "ttft_target_ms": 3_600_000},
+            "custom_params": {**targets, "ttft_target_ms": 3_600_000},
         }
         payload = {"text": prompt, "sampling_params": sampling}
         reply = post(base_url(server) + "/generate", payload, timeout_s=120)
         log = server.log_path.read_bytes()
     return reply, log[:logged].decode(errors="replace"), log[logged:].decode(errors="replace")
+
+
+def assert_tpot_limited(aggregated: Aggregated, loose_target_ms: float) -> None:
+    """Beside the stream with a TPOT target, every step that planned a chunk was limited by the stream's
+    account: at most 0.85 x ``TPOT_TARGET_MS`` x its gaps (``budget.tpot_limit_s``, less the time spent and
+    the steps to come), far under the loose ITL target's limit (0.85 x ``loose_target_ms``), which is the
+    limit without the account. The account is lost (and the limit the ITL one) only if the stream's decode
+    steps alone took over 40 ms."""
+    decision = (
+        rf"SLO scheduler chunk: itl_target_ms={loose_target_ms:g} chunk=\d+ decodes=1 \S+ limit_ms=(\S+)"
+    )
+    limits = [float(limit) for limit in re.findall(decision, aggregated.tpot_log)]
+    bound_ms = 0.85 * TPOT_TARGET_MS * (COMPANION_TOKENS - 1)
+    assert bound_ms < 0.85 * loose_target_ms
+    assert limits and all(limit < bound_ms for limit in limits), (limits, bound_ms)

@@ -32,10 +32,13 @@ from integration_tests.sglang_checks import (
     MAX_NEW_TOKENS,
     NUM_LAYERS,
     SLO_PROMPT,
+    TPOT_PROMPT,
+    TPOT_TARGET_MS,
     Aggregated,
     answer_with_target,
     assert_drained,
     assert_slo_chunks,
+    assert_tpot_limited,
     bootstrap,
     check_transferred,
     decode_transfer_queue,
@@ -85,7 +88,8 @@ def aggregated(tiny_model: Path, log_dir: Path) -> Aggregated:
     scheduler with a target so loose that every chunk is SGLang's own (``CHUNK_TOKENS``): the reference
     answers are stock SGLang's (the P/D tests compare stock P/D servers with them). Last, one request brings
     its own 1 ms target while another streams, so the scheduler cuts its prefill into minimum (16-token)
-    chunks (a prefill with no decode beside it would not be chunked)."""
+    chunks (a prefill with no decode beside it would not be chunked); then one more beside a stream with a
+    TPOT target."""
     server = sglang_server(
         tiny_model,
         log_dir=log_dir,
@@ -101,10 +105,15 @@ def aggregated(tiny_model: Path, log_dir: Path) -> Aggregated:
         replies = {
             p: generate(base_url(server), p, MAX_NEW_TOKENS) for p in [*PROMPTS, LONG_PROMPT, LAYER_PROMPT]
         }
-        slo_reply, before, during = answer_with_target(server, SLO_PROMPT, MAX_NEW_TOKENS, itl_target_ms=1)
+        slo_reply, before, during = answer_with_target(
+            server, SLO_PROMPT, MAX_NEW_TOKENS, {"itl_target_ms": 1}
+        )
+        _, _, tpot_log = answer_with_target(
+            server, TPOT_PROMPT, MAX_NEW_TOKENS, {}, companion_targets={"tpot_target_ms": TPOT_TARGET_MS}
+        )
     for prompt, reply in replies.items():
         assert reply.ok and len(reply.output_ids) == MAX_NEW_TOKENS, (prompt, reply)
-    return Aggregated(replies, slo_reply, before, during)
+    return Aggregated(replies, slo_reply, before, during, tpot_log)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +190,13 @@ def test_slo_scheduler_sizes_sglang_chunks_and_keeps_greedy_tokens(pd_pair, aggr
     assert len(d.output_ids) == MAX_NEW_TOKENS and slo.output_ids == d.output_ids, (slo.body, d.body)
     assert_drained(prefill)
     assert_drained(decode)
+
+
+def test_slo_scheduler_holds_a_tpot_account_on_sglang(aggregated):
+    """scheduler_plugins.sglang keeps a TPOT account for a stream with ``tpot_target_ms`` in its
+    ``custom_params``: a prompt sent beside it is planned within what the stream can still afford, not the
+    server's loose ITL limit."""
+    assert_tpot_limited(aggregated, LOOSE_TARGET_MS)
 
 
 def test_layer_by_layer_push(pd_pair, reference):
