@@ -46,6 +46,7 @@ class StepPlan:
             prefill_tokens=chunk,
             decodes=self.decodes,
             attended_context=decode_pairs + (attended_pairs(chunk, self.prefill_cached) if chunk else 0.0),
+            prefill_depth=self.prefill_cached if chunk else 0.0,
         )
 
 
@@ -262,9 +263,10 @@ def deadline_order(items: Iterable[T], deadline: Callable[[T], float]) -> list[T
 
 def explain(model: CostModel, plan: StepPlan, chunk: int, limit_s: float) -> str:
     """One decision for the server log, in the words both adapters use (integration tests parse the log)."""
-    a, b, c, d = model.coefficients_s
+    a, b, c, d, e = model.coefficients_s
     return (
         f"decodes={plan.decodes} predicted_ms={model.predict(plan.shape(chunk)) * 1e3:.1f} "
         f"limit_ms={limit_s * 1e3:.1f} fit(a_ms={a * 1e3:.2f} b_ms_per_tok={b * 1e3:.4f} "
-        f"c_ms_per_dec={c * 1e3:.3f} d_ns_per_pair={d * 1e9:.3f}) n={model.observations}"
+        f"c_ms_per_dec={c * 1e3:.3f} d_ns_per_pair={d * 1e9:.3f} e_us_per_depth={e * 1e6:.2f}) "
+        f"n={model.observations}"
     )

@@ -1,9 +1,10 @@
-"""Iteration-time model ``t = a + b*prefill_tokens + c*decodes + d*attended_context``, fitted online.
+"""Iteration-time model ``t = a + b*prefill_tokens + c*decodes + d*attended_context + e*prefill_depth``, fitted
+online (``e`` only where the adapter turns the depth term on: ``depth_term``).
 
 Called in the engine's scheduler process: ``predict`` while choosing a step's token budget, ``observe`` after
 the step ran, with the time measured between handing the batch to the workers and getting its output back.
 
-The fit is a least-squares solve over recent steps (four coefficients: the normal equations are a 4x4
+The fit is a least-squares solve over recent steps (five coefficients: the normal equations are a 5x5
 system), redone when a prediction is next asked for after new steps were observed, not after every step:
 with the trimming and the non-negativity below it is the scheduler's largest per-step cost, a CPU engine's
 scheduler shares its core with the model, and most steps (decodes with no prefill pending) ask for no
@@ -18,7 +19,7 @@ three rules:
 - two windows: the last ``prefill_window`` steps that carried a prefill chunk and the last
   ``decode_window`` that did not, so a long decode-only phase cannot push the prefill cost out of memory;
 - coefficients are non-negative (every term is a cost, so more work never predicts less time): the
-  constrained solve enumerates which coefficients are free (16 small systems) and keeps the best feasible
+  constrained solve enumerates which coefficients are free (32 small systems) and keeps the best feasible
   one;
 - a weak ridge pull toward the prior keeps coefficients the data does not determine (e.g. the prefill cost
   before any chunk ran) at the prior; and after a first solve, steps whose residual exceeds
@@ -27,6 +28,13 @@ three rules:
 
 It starts from a deliberately pessimistic prior (a slow CPU: ~2 ms per prefill token), so the first chunks
 are small and safe; the first measured chunk steps replace it.
+
+Why a depth term: on SGLang CPU (``torch_native`` attention) a prefill chunk's step costs in proportion to
+how deep in its prompt it is, whatever its size (measured: a 16-token chunk 7 ms at the start of a
+1500-token prompt and 52 ms at its end; a 128-token chunk 10 and 46 ms): each step gathers the prompt's
+whole KV so far. ``attended_context`` (chunk x depth) cannot express that, so without the term the model
+under-predicted deep chunks there (docs/performance.md ``## scheduler``, SGLang). vLLM's adapter leaves it
+off (its fits were measured without it), and with it off the model is the four-term one exactly.
 """
 
 from __future__ import annotations
@@ -38,9 +46,11 @@ import numpy as np
 import numpy.typing as npt
 
 # Feature scales: coefficients are fitted per scaled unit so the normal equations are well conditioned.
-_SCALE = np.array([1.0, 256.0, 16.0, 256.0 * 1024.0])
-# Prior in seconds: 20 ms fixed, 2 ms per prefill token, 1 ms per decode, 10 ns per attended token pair.
-DEFAULT_PRIOR_S = (0.020, 2e-3, 1e-3, 1e-8)
+_SCALE = np.array([1.0, 256.0, 16.0, 256.0 * 1024.0, 1024.0])
+_TERMS = len(_SCALE)
+# Prior in seconds: 20 ms fixed, 2 ms per prefill token, 1 ms per decode, 10 ns per attended token pair, none
+# per token of prefill depth (a cost the data must show).
+DEFAULT_PRIOR_S = (0.020, 2e-3, 1e-3, 1e-8, 0.0)
 _TRIM_PASSES = 3  # outlier-trimming solves per observation, at most
 _MIN_RESIDUAL_S = 1e-4  # floor of the residual scale: exact data must not trim everything but perfect fits
 
@@ -51,14 +61,16 @@ class StepShape:
 
     ``attended_context`` is the number of (query, key) token pairs attention touches: a request that runs
     ``n`` new tokens after ``c`` cached ones adds ``n * c + n * (n + 1) / 2`` (a decode adds ``c + 1``).
+    ``prefill_depth``: the cached tokens of the rows that prefill (each is read again by its next chunk).
     """
 
     prefill_tokens: int
     decodes: int
     attended_context: float
+    prefill_depth: float = 0.0
 
     def features(self) -> npt.NDArray[np.float64]:
-        raw = np.array([1.0, self.prefill_tokens, self.decodes, self.attended_context])
+        raw = np.array([1.0, self.prefill_tokens, self.decodes, self.attended_context, self.prefill_depth])
         return raw / _SCALE
 
 
@@ -72,14 +84,15 @@ def step_shape(rows: Iterable[tuple[int, int]]) -> StepShape:
     decode, any other row's tokens are prefill tokens. Each engine adapter lists the rows of the step it
     ran."""
     prefill_tokens = decodes = 0
-    pairs = 0.0
+    pairs = depth = 0.0
     for new, cached in rows:
         pairs += attended_pairs(new, max(0, cached))
         if new == 1:
             decodes += 1
         else:
             prefill_tokens += new
-    return StepShape(prefill_tokens=prefill_tokens, decodes=decodes, attended_context=pairs)
+            depth += max(0, cached)
+    return StepShape(prefill_tokens, decodes, pairs, depth)
 
 
 class CostModel:
@@ -87,18 +100,22 @@ class CostModel:
 
     def __init__(
         self,
-        prior_s: tuple[float, float, float, float] = DEFAULT_PRIOR_S,
+        prior_s: tuple[float, ...] = DEFAULT_PRIOR_S,
         *,
+        depth_term: bool = False,
         prefill_window: int = 128,
         decode_window: int = 64,
         prior_weight: float = 1e-4,
         outlier_factor: float = 4.0,
     ) -> None:
-        if min(prior_s) < 0:
-            raise ValueError(f"prior coefficients are times and cannot be negative, got {prior_s}")
+        """``prior_s``: (a, b, c, d) or (a, b, c, d, e) in seconds per unit (e = 0 when left out).
+        ``depth_term``: fit ``e`` (else it stays 0 and the depth is not looked at)."""
+        if len(prior_s) not in (_TERMS - 1, _TERMS) or min(prior_s) < 0:
+            raise ValueError(f"prior coefficients are 4 or 5 non-negative times, got {prior_s}")
         if prefill_window < 4 or decode_window < 4:
             raise ValueError(f"windows must hold at least 4 steps, got {prefill_window}, {decode_window}")
-        self._prior = np.array(prior_s, dtype=np.float64) * _SCALE
+        self._mask = np.array([1.0] * (_TERMS - 1) + [1.0 if depth_term else 0.0])
+        self._prior = np.array([*prior_s, 0.0][:_TERMS], dtype=np.float64) * _SCALE * self._mask
         self._theta = self._prior.copy()
         self._stale = False  # steps were observed since the last fit
         self._windows = (_Window(prefill_window), _Window(decode_window))
@@ -108,21 +125,21 @@ class CostModel:
         self.prefill_observations = 0
 
     @property
-    def coefficients_s(self) -> tuple[float, float, float, float]:
-        """(a, b, c, d) in seconds per unscaled unit, as fitted now."""
-        a, b, c, d = (self._fitted() / _SCALE).tolist()
-        return a, b, c, d
+    def coefficients_s(self) -> tuple[float, float, float, float, float]:
+        """(a, b, c, d, e) in seconds per unscaled unit, as fitted now."""
+        a, b, c, d, e = (self._fitted() / _SCALE).tolist()
+        return a, b, c, d, e
 
     def predict(self, shape: StepShape) -> float:
         """Predicted seconds for ``shape``; coefficients are non-negative, so more work never predicts less
         time (the budget search relies on that)."""
-        return float(self._fitted() @ shape.features())
+        return float(self._fitted() @ (shape.features() * self._mask))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Add one measured step (invalid measurements are ignored); the next prediction refits."""
         if not np.isfinite(seconds) or seconds <= 0:
             return
-        self._windows[0 if shape.prefill_tokens else 1].add(shape.features(), seconds)
+        self._windows[0 if shape.prefill_tokens else 1].add(shape.features() * self._mask, seconds)
         self._stale = True
         self.observations += 1
         self.prefill_observations += bool(shape.prefill_tokens)
@@ -151,17 +168,17 @@ class CostModel:
     def _solve(self, x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         """argmin |y - x theta|^2 + w |theta - prior|^2 over theta >= 0 (w: ``prior_weight``)."""
         w = self._prior_weight
-        gram = x.T @ x + w * np.eye(4)
+        gram = x.T @ x + w * np.eye(_TERMS)
         rhs = x.T @ y + w * self._prior
         theta = np.linalg.solve(gram, rhs)
         if theta.min() >= 0:  # the usual case: the unconstrained optimum is feasible
             return theta
-        best, best_cost = np.zeros(4), np.inf
-        # Bit i of ``mask``: coefficient i is free; the others sit at the bound 0. Mask 15 was just tried;
-        # mask 1 (intercept only) is always feasible, since every measured time is positive.
-        for mask in range(1, 15):
-            free = np.array([bool(mask >> i & 1) for i in range(4)])
-            theta = np.zeros(4)
+        best, best_cost = np.zeros(_TERMS), np.inf
+        # Bit i of ``mask``: coefficient i is free; the others sit at the bound 0. The all-free mask was just
+        # tried; mask 1 (intercept only) is always feasible, since every measured time is positive.
+        for mask in range(1, 2**_TERMS - 1):
+            free = np.array([bool(mask >> i & 1) for i in range(_TERMS)])
+            theta = np.zeros(_TERMS)
             theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
             if theta.min() < 0:
                 continue
@@ -175,7 +192,7 @@ class _Window:
     """The last ``size`` (features, seconds) samples of one kind of step, oldest overwritten first."""
 
     def __init__(self, size: int) -> None:
-        self._x = np.zeros((size, 4))
+        self._x = np.zeros((size, _TERMS))
         self._y = np.zeros(size)
         self._count = 0
 

@@ -85,7 +85,8 @@ class SLOChunker:
         self.engine_cap = facts.chunk_cap
         self.align = settings.chunk_align(facts.page_size)
         self.min_chunk = settings.min_chunk(facts.page_size)
-        self.cost_model = CostModel()
+        # SGLang CPU's prefill chunks cost in their depth whatever their size (cost_model says why)
+        self.cost_model = CostModel(depth_term=True)
         self.active = True
         self.last_chunk: int | None = None
         self._clock = StepClock()
