@@ -58,6 +58,7 @@ from scheduler_plugins.config import (
 )
 from scheduler_plugins.cost_model import CostModel, step_shape
 from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepSample, StepStats
+from scheduler_plugins.verdict import TargetJudge
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class SLOChunker:
         self._model_thread = RunQueueWait([os.getpid()])
         self._planned = False  # this iteration chose a chunk: its step's prediction is logged against it
         self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
+        self.judge = TargetJudge("SLO scheduler", logger, settings.verdict_after_steps)
         self._last_log = 0.0
         self._last_target_ms = settings.itl_target_ms
 
@@ -122,8 +124,9 @@ class SLOChunker:
             prefill_cached=view.pending[0].cached,
             max_step_tokens=self.engine_cap,
         )
+        itl_limit_s = target_ms / 1e3 * self.slo.headroom
         limit_s = min(
-            step_limit_s(plan, target_ms / 1e3 * self.slo.headroom, self.slo.chunk_lone_prefill),
+            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill),
             tpot_limit_s(
                 self._decode_tracks(view.decodes, now),
                 self.cost_model.predict(plan.shape(0)),
@@ -135,6 +138,7 @@ class SLOChunker:
             self._deadline_chunk(plan, view),
         )
         self.last_chunk = chunk
+        self.judge.judge(self.cost_model, plan, self.min_chunk, itl_limit_s, target_ms, now)
         self._log(target_ms, chunk, plan, limit_s)
         return max(1, min(self.engine_cap, decodes + chunk))
 

@@ -1,4 +1,4 @@
-"""What one engine iteration costs as a client sees it, and whether the ITL target can be held at all.
+"""What one engine iteration costs as a client sees it.
 
 Called in the engine's scheduler process by an adapter at three points of every iteration: when it starts
 building a step (``begin``), when the step is handed to the workers (``scheduled``), and when the step's
@@ -199,16 +199,3 @@ def pinned_cores(
             if len(allowed) == 1:
                 cores |= allowed
     return cores
-
-
-@dataclass(frozen=True)
-class Feasibility:
-    """Whether the target can be held: the cheapest step that still moves a prefill on, as predicted."""
-
-    holds: bool
-    floor_ms: float  # predicted ms of the step with the decodes and the minimum chunk
-    limit_ms: float  # what the step may take (headroom x target)
-
-
-def feasibility(predicted_floor_s: float, limit_s: float) -> Feasibility:
-    return Feasibility(predicted_floor_s <= limit_s, predicted_floor_s * 1e3, limit_s * 1e3)

@@ -66,15 +66,8 @@ from scheduler_plugins.config import (
     tightened_ms,
 )
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
-from scheduler_plugins.step_clock import (
-    Feasibility,
-    RunQueueWait,
-    StepClock,
-    StepSample,
-    StepStats,
-    feasibility,
-    pinned_cores,
-)
+from scheduler_plugins.step_clock import RunQueueWait, StepClock, StepSample, StepStats, pinned_cores
+from scheduler_plugins.verdict import TargetJudge
 
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
 logger = init_logger(f"vllm.{__name__}")
@@ -83,7 +76,6 @@ ITL_TARGET_ARG = "itl_target_ms"
 # Workers waiting for a CPU this share of the steps' time: other processes run on the model's cores.
 WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
-VERDICT_INTERVAL_S = 30.0
 TTFT_TARGET_ARG = "ttft_target_ms"
 TPOT_TARGET_ARG = "tpot_target_ms"
 
@@ -118,9 +110,7 @@ class SLOScheduler(Scheduler):
         self._workers = RunQueueWait(workers)
         _warn_if_no_core_is_left(pinned_cores(workers))
         self._last_wait_warning = -WAIT_WARNING_INTERVAL_S
-        self.verdict: Feasibility | None = None  # the last one logged, for the target in _verdict_ms
-        self._verdict_ms = 0.0
-        self._verdict_at = 0.0
+        self.judge = TargetJudge("SLOScheduler", logger, self.slo.verdict_after_steps)
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
@@ -270,7 +260,7 @@ class SLOScheduler(Scheduler):
             prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk),
             self._deadline_chunk(plan, prefills, local_waiting),
         )
-        self._judge(plan, itl_limit_s, target_ms)
+        self.judge.judge(self.cost_model, plan, self._min_chunk, itl_limit_s, target_ms, time.monotonic())
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
         # A prefill under way leaves room in its step for waiting prompts that fit (a new stream's prompt).
         share = (
@@ -323,53 +313,6 @@ class SLOScheduler(Scheduler):
                 break
             urgent.append(request)
         return urgent
-
-    def _judge(self, plan: StepPlan, limit_s: float, target_ms: float) -> None:
-        """Say in the log whether the target can be held, once the model has measured enough steps: the
-        first verdict, then whenever the effective target changes, and when the verdict changes (at most
-        every ``VERDICT_INTERVAL_S``). Only steps with a decode in them are judged: the target is about the
-        decodes' gaps, and a "holds" from a prefill alone would stand for the whole interval."""
-        if (
-            not plan.decodes
-            or self.cost_model.observations < self.slo.verdict_after_steps
-            or not self.cost_model.prefill_observations
-        ):
-            return
-        verdict = feasibility(self.cost_model.predict(plan.shape(self._min_chunk)), limit_s)
-        # The same target: a changed verdict is logged, but at most every VERDICT_INTERVAL_S (near the limit
-        # it flips as decodes come and go).
-        last = self.verdict
-        if (
-            last is not None
-            and target_ms == self._verdict_ms
-            and (verdict.holds == last.holds or time.monotonic() - self._verdict_at < VERDICT_INTERVAL_S)
-        ):
-            return
-        self.verdict, self._verdict_ms, self._verdict_at = verdict, target_ms, time.monotonic()
-        if verdict.holds:
-            logger.info(
-                "SLOScheduler target holds: itl_target_ms=%g; %d decodes + a %d-token chunk predicted "
-                "%.1f ms <= limit %.1f ms",
-                target_ms,
-                plan.decodes,
-                self._min_chunk,
-                verdict.floor_ms,
-                verdict.limit_ms,
-            )
-            return
-        logger.warning(
-            "SLOScheduler cannot hold itl_target_ms=%g here: %d decodes + the minimum %d-token chunk are "
-            "predicted at %.1f ms > limit %.1f ms (%s); every step still prefills %d tokens (no starvation), "
-            "so gaps will exceed the target: raise the target, run fewer streams, or give the engine (and "
-            "the API server) more cores",
-            target_ms,
-            plan.decodes,
-            self._min_chunk,
-            verdict.floor_ms,
-            verdict.limit_ms,
-            explain(self.cost_model, plan, self._min_chunk, limit_s),
-            self._min_chunk,
-        )
 
     def _set_budget(self, budget: int, long_prefill_threshold: int) -> None:
         compat.set_token_budget(self, budget, long_prefill_threshold)

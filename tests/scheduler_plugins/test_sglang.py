@@ -17,7 +17,7 @@ import pytest
 from pd_connector.sglang.compat import scheduler as compat
 from scheduler_plugins import sglang
 from scheduler_plugins.config import Mode, SchedulerSettings
-from scheduler_plugins.cost_model import CostModel
+from scheduler_plugins.cost_model import CostModel, step_shape
 
 CAP = 512
 # A fixed law: 20 ms + 1 ms per prefill token + 1 ms per decode, attention free.
@@ -364,3 +364,24 @@ def test_a_decode_of_unknown_length_keeps_no_tpot_account(monkeypatch: pytest.Mo
     unbounded = FakeReq(list(range(16)), output_ids=[7], sampling_params=_params(max_new_tokens=None))
     scheduler.waiting_queue = [FakeReq(list(range(1000)))]
     assert _prefill(scheduler, SimpleNamespace(reqs=[unbounded])) == CAP
+
+
+def test_a_target_the_decodes_and_minimum_chunk_exceed_is_called_out(
+    monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """As on vLLM (scheduler_plugins.verdict): once the model has measured enough steps, prefill ones among
+    them, a step beside decodes whose cheapest form misses the target is called out in the log."""
+    scheduler = FakeScheduler()
+    chunker = _started(
+        monkeypatch, scheduler, itl_target_ms="10", ttft_target_ms="3600000", verdict_after_steps="4"
+    )
+    chunker.cost_model = CostModel(LAW)
+    for _ in range(4):
+        chunker.cost_model.observe(step_shape([(16, 0), (1, 10)]), 0.037)
+    scheduler.waiting_queue = [FakeReq(list(range(1000)))]
+    with caplog.at_level(logging.WARNING, logger=sglang.__name__):
+        assert _prefill(scheduler, _running(10)) == 1 + 16  # the minimum chunk, whatever the verdict
+    assert (
+        "SLO scheduler cannot hold itl_target_ms=10 here: 1 decodes + the minimum 16-token chunk"
+        in caplog.text
+    )

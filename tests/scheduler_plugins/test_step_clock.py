@@ -16,9 +16,9 @@ from scheduler_plugins.step_clock import (
     StepClock,
     StepSample,
     StepStats,
-    feasibility,
     pinned_cores,
 )
+from scheduler_plugins.verdict import feasibility
 
 SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
 
