@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import statistics
@@ -99,13 +100,17 @@ async def _beside_a_stream(
 ) -> AsyncIterator[None]:
     """A stream decoding on ours (a 16-token prompt; server targets unless ``xargs`` sets its own) for the
     body's duration: the decodes a prefill's chunks are sized beside. It asks for more tokens than any
-    prefill here takes steps and is cancelled on exit (vLLM aborts it)."""
-    times: list[float] = []
-    stream = asyncio.create_task(
-        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs, times)
-    )
+    prefill here takes steps and is cancelled on exit (vLLM aborts it).
+
+    The body starts once the engine has planned the stream's prompt (its budget line in the server log),
+    not once the client has its first tokens: vLLM's API server shares the engine's core, and in a full run
+    of this module it handed the stream's first tokens out 10 s late, after the engine had finished all
+    2000, so a prompt sent then found no decode beside it."""
+    since = _log_size(servers["ours"])
+    stream = asyncio.create_task(_complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs))
     try:
-        await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
+        planned = functools.partial(_budget_lines, servers["ours"], since)
+        await wait_until_async(lambda: bool(planned()), 60, "the engine planning the stream's prompt")
         yield
     finally:
         stream.cancel()
