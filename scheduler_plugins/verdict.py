@@ -61,16 +61,12 @@ class TargetJudge:
         ):
             return
         self.verdict, self._target_ms, self._at = verdict, target_ms, now
+        step = (self._name, target_ms, plan.decodes, min_chunk, verdict.floor_ms, verdict.limit_ms)
         if verdict.holds:
             self._logger.info(
                 "%s target holds: itl_target_ms=%g; %d decodes + a %d-token chunk predicted %.1f ms <= limit "
                 "%.1f ms",
-                self._name,
-                target_ms,
-                plan.decodes,
-                min_chunk,
-                verdict.floor_ms,
-                verdict.limit_ms,
+                *step,
             )
             return
         self._logger.warning(
@@ -78,12 +74,7 @@ class TargetJudge:
             "%.1f ms > limit %.1f ms (%s); every step still prefills %d tokens (no starvation), so gaps will "
             "exceed the target: raise the target, run fewer streams, or give the engine (and the API server) "
             "more cores",
-            self._name,
-            target_ms,
-            plan.decodes,
-            min_chunk,
-            verdict.floor_ms,
-            verdict.limit_ms,
+            *step,
             explain(model, plan, min_chunk, limit_s),
             min_chunk,
         )
