@@ -19,8 +19,8 @@ three rules:
 - two windows: the last ``prefill_window`` steps that carried a prefill chunk and the last
   ``decode_window`` that did not, so a long decode-only phase cannot push the prefill cost out of memory;
 - coefficients are non-negative (every term is a cost, so more work never predicts less time): the
-  constrained solve enumerates which coefficients are free (32 small systems) and keeps the best feasible
-  one;
+  constrained solve enumerates which coefficients are free (up to 30 small systems with the depth term,
+  14 without) and keeps the best feasible one;
 - a weak ridge pull toward the prior keeps coefficients the data does not determine (e.g. the prefill cost
   before any chunk ran) at the prior; and after a first solve, steps whose residual exceeds
   ``outlier_factor`` times the median absolute residual (a step stalled by another process) are dropped
@@ -174,10 +174,12 @@ class CostModel:
         if theta.min() >= 0:  # the usual case: the unconstrained optimum is feasible
             return theta
         best, best_cost = np.zeros(_TERMS), np.inf
-        # Bit i of ``mask``: coefficient i is free; the others sit at the bound 0. The all-free mask was just
-        # tried; mask 1 (intercept only) is always feasible, since every measured time is positive.
-        for mask in range(1, 2**_TERMS - 1):
-            free = np.array([bool(mask >> i & 1) for i in range(_TERMS)])
+        terms = np.flatnonzero(self._mask)  # a term that is off stays 0: no subset needs to free it
+        # Bit i of ``mask``: term ``terms[i]`` is free; the others sit at the bound 0. The all-free mask was
+        # just tried; mask 1 (intercept only) is always feasible, since every measured time is positive.
+        for mask in range(1, 2 ** len(terms) - 1):
+            free = np.zeros(_TERMS, dtype=bool)
+            free[[t for i, t in enumerate(terms) if mask >> i & 1]] = True
             theta = np.zeros(_TERMS)
             theta[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
             if theta.min() < 0:
