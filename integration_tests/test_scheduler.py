@@ -54,8 +54,8 @@ def servers(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Managed
         cpu_core=1,
         max_model_len=2048,
         extra_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
-        # A loose server target (each test tightens it per request) leaves room under its limit (85 s) for
-        # a TPOT account's.
+        # A loose server target: every test tightens it per request, the streams beside prompts to their
+        # marker (~60 s, stream_marker_ms), under whose limit a TPOT account's bound shows.
         env={"PD_SCHED_ITL_TARGET_MS": "100000", "PD_SCHED_LOG_INTERVAL_S": "0"},
     )
     start_servers(default, ours)
@@ -98,23 +98,38 @@ async def _beside_a_stream(
     seed: int,
     xargs: dict[str, Any] | None = None,
 ) -> AsyncIterator[None]:
-    """A stream decoding on ours (a 16-token prompt; server targets unless ``xargs`` sets its own) for the
-    body's duration: the decodes a prefill's chunks are sized beside. It asks for more tokens than any
-    prefill here takes steps and is cancelled on exit (vLLM aborts it).
+    """A stream decoding on ours (a 16-token prompt) for the body's duration: the decodes a prefill's chunks
+    are sized beside. It asks for more tokens than any prefill here takes steps and is cancelled on exit
+    (vLLM aborts it). Its ITL target is its marker, ``stream_marker_ms(seed)`` (looser than any target a test
+    sets, tighter than the server's), and ``xargs`` adds its other targets.
 
-    The body starts once the engine has planned the stream's prompt (its budget line in the server log),
-    not once the client has its first tokens: vLLM's API server shares the engine's core, and in a full run
-    of this module it handed the stream's first tokens out 10 s late, after the engine had finished all
-    2000, so a prompt sent then found no decode beside it."""
+    The body starts once the engine has planned the stream's prompt: a budget line at the marker target in
+    the server log. Not once the client has its first tokens: vLLM's API server shares the engine's core, and
+    in a full run of this module it handed them out 10 s late, after the engine had finished all 2000, so a
+    prompt sent then found no decode beside it. And not at any new budget line: in CI one from an earlier
+    request came first, and the prompt was sent before the stream's."""
+    marker_ms = stream_marker_ms(seed)
+    body_xargs = {"itl_target_ms": marker_ms, **(xargs or {})}
     since = _log_size(servers["ours"])
-    stream = asyncio.create_task(_complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs))
+    stream = asyncio.create_task(
+        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, body_xargs)
+    )
     try:
         planned = functools.partial(_budget_lines, servers["ours"], since)
-        await wait_until_async(lambda: bool(planned()), 60, "the engine planning the stream's prompt")
+        await wait_until_async(
+            lambda: any(line.target_ms == marker_ms for line in planned()),
+            60,
+            "the engine planning the stream's prompt",
+        )
         yield
     finally:
         stream.cancel()
         await asyncio.gather(stream, return_exceptions=True)
+
+
+def stream_marker_ms(seed: int) -> float:
+    """The ITL target that marks ``_beside_a_stream``'s stream of ``seed`` in the server log."""
+    return 60_000.0 + seed
 
 
 class BudgetLine(NamedTuple):
@@ -255,14 +270,14 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
 ) -> None:
     """A stream with a 20 ms TPOT target: a 900-token prompt arriving while it decodes gets a step no longer
     than the stream's mean gap can still afford (``budget.tpot_limit_s``): at most 0.85 x 20 ms x 1999 gaps
-    = 33983 ms, less the time spent and the decode steps to come, under the server's ITL limit (100 s x 0.85).
-    The same stream without a TPOT target: the ITL limit.
+    = 33983 ms, less the time spent and the decode steps to come, under the ITL limit (0.85 x the stream's
+    marker target, ~60 s). The same stream without a TPOT target: the ITL limit.
 
     Why these numbers: the stream must outlast the long prompt's arrival even when the API server, which
-    shares the engine's core, hands tokens out seconds late (a 300-token stream had ended in CI before its
-    first token reached the client), so it is the 2000-token stream of the other tests, cancelled once the
-    prompt is answered; and the account's bound must stay under the ITL limit for such a stream. The
-    account is lost (the limit then the ITL one) only if the stream's decode steps alone took over 17 ms.
+    shares the engine's core, handles requests seconds late, so it is the 2000-token stream of the other
+    tests, cancelled once the prompt is answered; and the account's bound must stay under the ITL limit for
+    such a stream. The account is lost (the limit then the ITL one) only if the stream's decode steps alone
+    took over 17 ms.
     """
 
     async def run(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
@@ -279,7 +294,8 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
     accounted = asyncio.run(run(50, {"tpot_target_ms": 20}))
     unaccounted = asyncio.run(run(52, None))
     assert accounted and unaccounted, "the long prompt did not arrive while the stream decoded"
-    assert {line.limit_ms for line in unaccounted} == {85000.0}, unaccounted
+    itl_limit_ms = round(0.85 * stream_marker_ms(52), 1)
+    assert {line.limit_ms for line in unaccounted} == {itl_limit_ms}, unaccounted
     assert all(line.limit_ms < 33983 for line in accounted), accounted
 
 
