@@ -6,11 +6,11 @@ transfer id; vllm-standard sends P first and D what P returned, trying other P o
 D when none succeeds; sglang-bootstrap sends both with one bootstrap room, and a failed P leg aborts D's
 (``guarded``), since SGLang's decode server cannot prefill alone. In both vLLM flows a streamed request that
 ``seeding.applies`` to has D continue from P's first token, which the router streams as soon as P's leg
-answered (``seeding.PrefillAnswer``), unless P answered as vLLM's NixlConnector, whose D samples its own first token:
-the client then gets D's stream alone, as from vLLM's own proxies. In pd-push, D's own stream carries P's
-token too when it can (``seeding.decode_streams_first``), and whichever of P's answer and D's first token
-event comes first is the client's first token (``opening``): an idle P's answer is a few ms ahead of D's
-stream, a busy P's front end far behind it.
+answered (``seeding.PrefillAnswer``), unless P answered as vLLM's NixlConnector, whose D samples its own first
+token: the client then gets D's stream alone, as from vLLM's own proxies. In pd-push, D's own stream carries
+P's token too when it can (``seeding.decode_streams_first``), and whichever of P's answer and D's first
+token event comes first is the client's first token (``opening``): an idle P's answer is a few ms ahead of
+D's stream, a busy P's front end far behind it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Iteration-time model ``t = a + b*prefill_tokens + c*decodes + d*attended_context + e*prefill_depth``, fitted
-online (``e`` only where the adapter turns the depth term on: ``depth_term``).
+"""Iteration-time model ``t = a + b*prefill_tokens + c*decodes + d*attended_context + e*prefill_depth``,
+fitted online (``e`` only where the adapter turns the depth term on: ``depth_term``).
 
 Called in the engine's scheduler process: ``predict`` while choosing a step's token budget, ``observe`` after
 the step ran, with the time measured between handing the batch to the workers and getting its output back.

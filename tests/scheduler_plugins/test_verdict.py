@@ -36,8 +36,8 @@ def test_the_verdict_waits_for_measured_steps_and_a_decode(caplog: pytest.LogCap
         assert _said(caplog) == []
         judge.judge(_measured(8), PLAN, 16, limit_s=0.085, target_ms=100, now=0.0)
     assert _said(caplog) == [
-        "SLO scheduler target holds: itl_target_ms=100; 4 decodes + a 16-token chunk predicted 40.0 ms <= limit "
-        "85.0 ms"
+        "SLO scheduler target holds: itl_target_ms=100; 4 decodes + a 16-token chunk predicted 40.0 ms "
+        "<= limit 85.0 ms"
     ]
 
 
