@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import re
 import statistics
@@ -38,6 +37,8 @@ TIMEOUT = aiohttp.ClientTimeout(total=180)
 # of 16 tokens), so they outlast it even when the long prompt reaches the engine late, and fit ours'
 # max-model-len (the tiny model's 2048 positions) with their 16-token prompts; the test cancels them when done.
 DECODE_TOKENS = 2000
+#: Tries of a test whose prompt must reach the engine while a stream decodes (see the TPOT test).
+ATTEMPTS = 3
 # The scheduler's defaults (chunk_align_tokens=16, min_chunk_tokens=0 = one alignment unit).
 ALIGN = SchedulerSettings().chunk_align(block_size=32)
 MIN_CHUNK = SchedulerSettings().min_chunk(block_size=32)
@@ -54,8 +55,8 @@ def servers(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Managed
         cpu_core=1,
         max_model_len=2048,
         extra_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
-        # A loose server target: every test tightens it per request, the streams beside prompts to their
-        # marker (~60 s, stream_marker_ms), under whose limit a TPOT account's bound shows.
+        # A loose server target (each test tightens it per request) leaves room under its limit (85 s) for
+        # a TPOT account's.
         env={"PD_SCHED_ITL_TARGET_MS": "100000", "PD_SCHED_LOG_INTERVAL_S": "0"},
     )
     start_servers(default, ours)
@@ -98,38 +99,24 @@ async def _beside_a_stream(
     seed: int,
     xargs: dict[str, Any] | None = None,
 ) -> AsyncIterator[None]:
-    """A stream decoding on ours (a 16-token prompt) for the body's duration: the decodes a prefill's chunks
-    are sized beside. It asks for more tokens than any prefill here takes steps and is cancelled on exit
-    (vLLM aborts it). Its ITL target is its marker, ``stream_marker_ms(seed)`` (looser than any target a test
-    sets, tighter than the server's), and ``xargs`` adds its other targets.
-
-    The body starts once the engine has planned the stream's prompt: a budget line at the marker target in
-    the server log. Not once the client has its first tokens: vLLM's API server shares the engine's core, and
-    in a full run of this module it handed them out 10 s late, after the engine had finished all 2000, so a
-    prompt sent then found no decode beside it. And not at any new budget line: in CI one from an earlier
-    request came first, and the prompt was sent before the stream's."""
-    marker_ms = stream_marker_ms(seed)
-    body_xargs = {"itl_target_ms": marker_ms, **(xargs or {})}
-    since = _log_size(servers["ours"])
+    """A stream decoding on ours (a 16-token prompt; server targets unless ``xargs`` sets its own) for the
+    body's duration: the decodes a prefill's chunks are sized beside. It asks for more tokens than any
+    prefill here takes steps and is cancelled on exit (vLLM aborts it), and the exit waits until the server
+    holds no request: an abort reaches the engine only when the API server, which shares the engine's core,
+    gets to it, and streams left running slowed that API server so much that later tests' prompts arrived
+    after their own streams had ended (CI)."""
+    times: list[float] = []
     stream = asyncio.create_task(
-        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, body_xargs)
+        _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs, times)
     )
     try:
-        planned = functools.partial(_budget_lines, servers["ours"], since)
-        await wait_until_async(
-            lambda: any(line.target_ms == marker_ms for line in planned()),
-            60,
-            "the engine planning the stream's prompt",
-        )
+        await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
         yield
     finally:
         stream.cancel()
         await asyncio.gather(stream, return_exceptions=True)
-
-
-def stream_marker_ms(seed: int) -> float:
-    """The ITL target that marks ``_beside_a_stream``'s stream of ``seed`` in the server log."""
-    return 60_000.0 + seed
+        url = base_url(servers["ours"])
+        await asyncio.to_thread(wait_until, lambda: blocks_idle(url), 120, "the cancelled stream gone")
 
 
 class BudgetLine(NamedTuple):
@@ -270,14 +257,16 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
 ) -> None:
     """A stream with a 20 ms TPOT target: a 900-token prompt arriving while it decodes gets a step no longer
     than the stream's mean gap can still afford (``budget.tpot_limit_s``): at most 0.85 x 20 ms x 1999 gaps
-    = 33983 ms, less the time spent and the decode steps to come, under the ITL limit (0.85 x the stream's
-    marker target, ~60 s). The same stream without a TPOT target: the ITL limit.
+    = 33983 ms, less the time spent and the decode steps to come, under the server's ITL limit (100 s x
+    0.85). The same stream without a TPOT target: the ITL limit. The account is lost (the limit then the ITL
+    one) only if the stream's decode steps alone took over 17 ms.
 
-    Why these numbers: the stream must outlast the long prompt's arrival even when the API server, which
-    shares the engine's core, handles requests seconds late, so it is the 2000-token stream of the other
-    tests, cancelled once the prompt is answered; and the account's bound must stay under the ITL limit for
-    such a stream. The account is lost (the limit then the ITL one) only if the stream's decode steps alone
-    took over 17 ms.
+    The prompt must reach the engine while the stream decodes, which the client cannot make sure of: vLLM's
+    API server shares the engine's core and has handed a 2000-token stream's first tokens out only after the
+    engine had finished it (a full module run), and, sent at once on the engine's own sign that the stream
+    started, taken the prompt in 8 s late (CI). So a try in which no step planned the prompt beside the
+    stream is run again, at most ``ATTEMPTS`` times, with new prompts; the limits are judged on the steps
+    that did.
     """
 
     async def run(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
@@ -291,11 +280,16 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
         assert len(ids) == 2
         return [line for line in _budget_lines(servers["ours"], since) if line.decodes]
 
-    accounted = asyncio.run(run(50, {"tpot_target_ms": 20}))
-    unaccounted = asyncio.run(run(52, None))
-    assert accounted and unaccounted, "the long prompt did not arrive while the stream decoded"
-    itl_limit_ms = round(0.85 * stream_marker_ms(52), 1)
-    assert {line.limit_ms for line in unaccounted} == {itl_limit_ms}, unaccounted
+    def beside(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
+        for attempt in range(ATTEMPTS):
+            lines = asyncio.run(run(seed + 10 * attempt, xargs))
+            if lines:
+                return lines
+        raise AssertionError(f"in {ATTEMPTS} tries the long prompt never arrived while the stream decoded")
+
+    accounted = beside(50, {"tpot_target_ms": 20})
+    unaccounted = beside(52, None)
+    assert {line.limit_ms for line in unaccounted} == {85000.0}, unaccounted
     assert all(line.limit_ms < 33983 for line in accounted), accounted
 
 
