@@ -10,7 +10,7 @@ setting, so a misconfigured server fails at start-up instead of scheduling with 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -103,6 +103,26 @@ def load_settings(env: Mapping[str, str], additional_config: Mapping[str, Any] |
         return msgspec.convert(merged, SchedulerSettings, strict=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid scheduler_plugins setting: {exc}") from exc
+
+
+#: Per-request target fields (vLLM's ``vllm_xargs``, SGLang's ``custom_params``): the same names on both.
+ITL_TARGET_ARG = "itl_target_ms"
+TTFT_TARGET_ARG = "ttft_target_ms"
+TPOT_TARGET_ARG = "tpot_target_ms"
+
+
+def request_target_ms(params: Any, key: str, default: float, invalid: Callable[[str, Any], None]) -> float:
+    """A request's own target ``key`` from its per-request fields ``params`` (a mapping, or None when it sent
+    none); ``default`` (the server's) when unset, and when invalid, which ``invalid(key, value)`` reports
+    (each adapter logs it in its own words)."""
+    value = params.get(key) if isinstance(params, Mapping) else None
+    if value is None:
+        return default
+    target = positive_ms(value)
+    if target is None:
+        invalid(key, value)
+        return default
+    return target
 
 
 def positive_ms(value: Any) -> float | None:

@@ -49,11 +49,14 @@ from scheduler_plugins.budget import (
     tpot_limit_s,
 )
 from scheduler_plugins.config import (
+    ITL_TARGET_ARG,
+    TPOT_TARGET_ARG,
+    TTFT_TARGET_ARG,
     Mode,
     SchedulerSettings,
     StepTime,
     load_settings,
-    positive_ms,
+    request_target_ms,
     tightened_ms,
 )
 from scheduler_plugins.cost_model import CostModel, step_shape
@@ -65,9 +68,6 @@ logger = logging.getLogger(__name__)
 #: The switch: ``slo`` turns the adapter on; unset or empty leaves SGLang's scheduler alone.
 ENABLE_ENV = "PD_SGLANG_SCHEDULER"
 ENABLE_VALUE = "slo"
-ITL_TARGET_ARG = "itl_target_ms"  # per request, in ``sampling_params.custom_params``
-TTFT_TARGET_ARG = "ttft_target_ms"  # likewise
-TPOT_TARGET_ARG = "tpot_target_ms"  # likewise
 
 
 class SLOChunker:
@@ -178,14 +178,7 @@ class SLOChunker:
     def _target_ms(self, params: Any, key: str, default: float) -> float:
         """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or
         invalid."""
-        value = params.get(key) if isinstance(params, Mapping) else None
-        if value is None:
-            return default
-        target = positive_ms(value)
-        if target is None:
-            logger.warning("ignoring invalid custom_params %s=%r", key, value)
-            return default
-        return target
+        return request_target_ms(params, key, default, _invalid_target)
 
     def step_started(self, rows: list[tuple[int, int]]) -> None:
         """Before ``run_batch``: the previous step's cycle ends if the loop ran straight on, and this one
@@ -236,6 +229,10 @@ class SLOChunker:
             explain(self.cost_model, plan, chunk, limit_s),
             self._stats.summary(),
         )
+
+
+def _invalid_target(key: str, value: Any) -> None:
+    logger.warning("ignoring invalid custom_params %s=%r", key, value)
 
 
 def refusals(settings: SchedulerSettings, facts: compat.ServerFacts) -> list[str]:

@@ -58,11 +58,14 @@ from scheduler_plugins.budget import (
     tpot_limit_s,
 )
 from scheduler_plugins.config import (
+    ITL_TARGET_ARG,
+    TPOT_TARGET_ARG,
+    TTFT_TARGET_ARG,
     Mode,
     SchedulerSettings,
     StepTime,
     load_settings,
-    positive_ms,
+    request_target_ms,
     tightened_ms,
 )
 from scheduler_plugins.cost_model import CostModel, StepShape, step_shape
@@ -72,12 +75,9 @@ from scheduler_plugins.verdict import TargetJudge
 # Under the "vllm." namespace so vLLM's logging configuration prints it in the server log.
 logger = init_logger(f"vllm.{__name__}")
 
-ITL_TARGET_ARG = "itl_target_ms"
 # Workers waiting for a CPU this share of the steps' time: other processes run on the model's cores.
 WAIT_WARNING_SHARE = 0.05
 WAIT_WARNING_INTERVAL_S = 60.0
-TTFT_TARGET_ARG = "ttft_target_ms"
-TPOT_TARGET_ARG = "tpot_target_ms"
 
 
 class SLOScheduler(Scheduler):
@@ -133,14 +133,10 @@ class SLOScheduler(Scheduler):
 
     # --- per-request targets -------------------------------------------------------------------------
     def _request_target_ms(self, request: Request, key: str, default: float) -> float:
-        value = (compat.extra_args(request) or {}).get(key)
-        if value is None:
-            return default
-        target = positive_ms(value)
-        if target is None:
-            logger.warning("request %s: ignoring invalid %s=%r", request.request_id, key, value)
-            return default
-        return target
+        def invalid(name: str, value: Any) -> None:
+            logger.warning("request %s: ignoring invalid %s=%r", request.request_id, name, value)
+
+        return request_target_ms(compat.extra_args(request), key, default, invalid)
 
     def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
         """The TPOT accounts of the running decodes that have a target (``FirstTokens`` started them)."""

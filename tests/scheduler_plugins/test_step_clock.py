@@ -1,5 +1,4 @@
-"""A step's cost is its whole cycle when the engine loops on, and the target verdict compares the cheapest
-step that moves a prefill with the limit (hand-made timestamps; no engine)."""
+"""A step's cost is its whole cycle when the engine loops on (hand-made timestamps; no engine)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from scheduler_plugins.step_clock import (
     StepStats,
     pinned_cores,
 )
-from scheduler_plugins.verdict import feasibility
 
 SHAPE = StepShape(prefill_tokens=64, decodes=4, attended_context=5000.0)
 
@@ -82,12 +80,6 @@ def test_stats_summarise_and_reset() -> None:
     assert "steps=3 forward_ms=50.0/50.0 cycle_ms=100.0/120.0 cpu_share=0.50" in text
     assert "cycle/predicted=1.25/1.50" in text
     assert stats.summary() == "steps=0"
-
-
-def test_feasibility_at_the_limit() -> None:
-    assert feasibility(0.085, 0.085).holds
-    over = feasibility(0.0851, 0.085)
-    assert not over.holds and over.floor_ms == pytest.approx(85.1) and over.limit_ms == pytest.approx(85.0)
 
 
 def test_step_time_setting() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler_plugins.budget import StepPlan
 from scheduler_plugins.cost_model import CostModel, step_shape
-from scheduler_plugins.verdict import VERDICT_INTERVAL_S, TargetJudge
+from scheduler_plugins.verdict import VERDICT_INTERVAL_S, TargetJudge, feasibility
 
 LAW = (0.020, 1e-3, 1e-3, 0.0)  # 20 ms + 1 ms per prefill token + 1 ms per decode
 PLAN = StepPlan(decodes=4, decode_context=400, prefill_cached=0, max_step_tokens=512)  # + 16 tokens: 40 ms
@@ -61,3 +61,9 @@ def test_a_target_the_cheapest_step_exceeds_is_called_out_once_per_change(
     assert said[1].startswith("SLOScheduler target holds: itl_target_ms=40;")
     assert said[2].startswith("SLOScheduler cannot hold itl_target_ms=30 here")
     assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO, logging.WARNING]
+
+
+def test_feasibility_at_the_limit() -> None:
+    assert feasibility(0.085, 0.085).holds
+    over = feasibility(0.0851, 0.085)
+    assert not over.holds and over.floor_ms == pytest.approx(85.1) and over.limit_ms == pytest.approx(85.0)
