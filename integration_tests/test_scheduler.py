@@ -15,9 +15,9 @@ import json
 import re
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import pytest
@@ -33,12 +33,16 @@ BUDGET_LINE = re.compile(
     r".*? decodes=(?P<decodes>\d+) predicted_ms=\S+ limit_ms=(?P<limit>[\d.]+|inf)"
 )
 TIMEOUT = aiohttp.ClientTimeout(total=180)
+T = TypeVar("T")
 # Decode streams ask for far more tokens than any prefill here takes steps (a 900-token prompt: 57 chunk steps
 # of 16 tokens), so they outlast it even when the long prompt reaches the engine late, and fit ours'
 # max-model-len (the tiny model's 2048 positions) with their 16-token prompts; the test cancels them when done.
 DECODE_TOKENS = 2000
-#: Tries of a test whose prompt must reach the engine while a stream decodes (see the TPOT test).
+#: Tries of a test whose prompt must reach the engine while a stream decodes (``_tries_beside``).
 ATTEMPTS = 3
+#: What each try adds to a test's prompt seeds, so a try's prompts are new (not in the prefix cache) and are no
+#: other test's: ``_prompt`` repeats only every 1900 seeds, and the tests' own seeds are below 500.
+TRY_SEED_STRIDE = 500
 # The scheduler's defaults (chunk_align_tokens=16, min_chunk_tokens=0 = one alignment unit).
 ALIGN = SchedulerSettings().chunk_align(block_size=32)
 MIN_CHUNK = SchedulerSettings().min_chunk(block_size=32)
@@ -117,6 +121,21 @@ async def _beside_a_stream(
         await asyncio.gather(stream, return_exceptions=True)
         url = base_url(servers["ours"])
         await asyncio.to_thread(wait_until, lambda: blocks_idle(url), 120, "the cancelled stream gone")
+
+
+def _tries_beside(attempt: Callable[[int], T | None]) -> T:
+    """Run ``attempt(seed_offset)`` until a try's prompt reached the engine while the stream decoded (it
+    returns what the test judges), at most ``ATTEMPTS`` times, each with new prompts; None means it did not.
+
+    The client cannot make sure of that: vLLM's API server shares the engine's core and has handed a
+    2000-token stream's first tokens out only after the engine had finished it (a full module run), taken a
+    prompt sent at once on the engine's own sign that the stream started 8 s late, and passed a 900-token
+    prompt on after its stream's 2000 tokens (CI: the TTFT-floor test saw no step beside the stream)."""
+    for n in range(ATTEMPTS):
+        result = attempt(n * TRY_SEED_STRIDE)
+        if result is not None:
+            return result
+    raise AssertionError(f"in {ATTEMPTS} tries the prompt never reached the engine while the stream decoded")
 
 
 class BudgetLine(NamedTuple):
@@ -199,20 +218,18 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
     so it is prefilled in fewer, larger steps. Prompts of one length beside one stream; only the TTFT
     target differs."""
 
-    async def prefill(seed: int, ttft_target_ms: float) -> list[BudgetLine]:
+    async def prefill(seed: int, ttft_target_ms: float) -> list[BudgetLine] | None:
         since = _log_size(servers["ours"])
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 30):
             xargs = {"itl_target_ms": 5, "ttft_target_ms": ttft_target_ms}
             ids, _ = await _complete(session, servers["ours"], _prompt(seed, 900), 4, xargs)
         assert len(ids) == 4
-        return [
-            line for line in _budget_lines(servers["ours"], since) if line.target_ms == 5 and line.decodes
-        ]
+        lines = _budget_lines(servers["ours"], since)
+        return [line for line in lines if line.target_ms == 5 and line.decodes] or None
 
     # Two prompts of one length, neither cached (a cached prompt would need few steps whatever the target).
-    patient = asyncio.run(prefill(31, 3_600_000))
-    hurried = asyncio.run(prefill(32, 250))
-    assert patient and hurried
+    patient = _tries_beside(lambda offset: asyncio.run(prefill(31 + offset, 3_600_000)))
+    hurried = _tries_beside(lambda offset: asyncio.run(prefill(32 + offset, 250)))
     # How many fewer steps depends on the fitted costs (21 and 31 of 57 in two runs); the floor's chunks
     # are at least twice the ITL target's largest, and the prompt takes fewer steps.
     assert max(line.chunk for line in hurried) >= 2 * max(line.chunk for line in patient), (hurried, patient)
@@ -227,27 +244,33 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
     an hour), is admitted beside it (``budget.admission_chunk``) and answered while the long prompt is still
     prefilling; without that it waits for the whole long prompt, as it does with ``ttft_aware_chunks`` off.
     Judged by the order in which one client receives the two answers' tokens, not by times."""
-    long_times: list[float] = []
-    short_times: list[float] = []
 
-    async def run() -> None:
+    async def run(offset: int) -> tuple[list[float], list[float]] | None:
+        long_times: list[float] = []
+        short_times: list[float] = []
         since = _log_size(servers["ours"])
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 40):
             patient = {"itl_target_ms": 5, "ttft_target_ms": 3_600_000}
             long = asyncio.create_task(
-                _complete(session, servers["ours"], _prompt(41, 900), 4, patient, long_times)
+                _complete(session, servers["ours"], _prompt(41 + offset, 900), 4, patient, long_times)
             )
 
             def chunk_steps() -> int:
                 lines = _budget_lines(servers["ours"], since)
                 return sum(1 for line in lines if line.target_ms == 5 and line.decodes)
 
-            await wait_until_async(lambda: chunk_steps() >= 3, 60, "the long prompt being chunked")
+            await wait_until_async(
+                lambda: chunk_steps() >= 3 or long.done(), 60, "the long prompt chunked or answered"
+            )
+            if chunk_steps() < 3:  # answered without being chunked beside the stream: it came too late
+                await long
+                return None
             due_first = {"itl_target_ms": 5, "ttft_target_ms": 60_000}
-            await _complete(session, servers["ours"], _prompt(42, 48), 2, due_first, short_times)
+            await _complete(session, servers["ours"], _prompt(42 + offset, 48), 2, due_first, short_times)
             await long
+        return long_times, short_times
 
-    asyncio.run(run())
+    long_times, short_times = _tries_beside(lambda offset: asyncio.run(run(offset)))
     assert len(long_times) == 4 and len(short_times) == 2
     assert short_times[-1] < long_times[0], "the short prompt waited for the long prompt's whole prefill"
 
@@ -261,15 +284,11 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
     0.85). The same stream without a TPOT target: the ITL limit. The account is lost (the limit then the ITL
     one) only if the stream's decode steps alone took over 17 ms.
 
-    The prompt must reach the engine while the stream decodes, which the client cannot make sure of: vLLM's
-    API server shares the engine's core and has handed a 2000-token stream's first tokens out only after the
-    engine had finished it (a full module run), and, sent at once on the engine's own sign that the stream
-    started, taken the prompt in 8 s late (CI). So a try in which no step planned the prompt beside the
-    stream is run again, at most ``ATTEMPTS`` times, with new prompts; the limits are judged on the steps
-    that did.
+    The prompt must reach the engine while the stream decodes (``_tries_beside``); the limits are judged on
+    the steps that planned it beside the stream.
     """
 
-    async def run(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
+    async def run(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine] | None:
         since = _log_size(servers["ours"])
         async with (
             aiohttp.ClientSession(timeout=TIMEOUT) as session,
@@ -278,14 +297,10 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
             patient = {"ttft_target_ms": 3_600_000}
             ids, _ = await _complete(session, servers["ours"], _prompt(seed + 1, 900), 2, patient)
         assert len(ids) == 2
-        return [line for line in _budget_lines(servers["ours"], since) if line.decodes]
+        return [line for line in _budget_lines(servers["ours"], since) if line.decodes] or None
 
     def beside(seed: int, xargs: dict[str, Any] | None) -> list[BudgetLine]:
-        for attempt in range(ATTEMPTS):
-            lines = asyncio.run(run(seed + 10 * attempt, xargs))
-            if lines:
-                return lines
-        raise AssertionError(f"in {ATTEMPTS} tries the long prompt never arrived while the stream decoded")
+        return _tries_beside(lambda offset: asyncio.run(run(seed + offset, xargs)))
 
     accounted = beside(50, {"tpot_target_ms": 20})
     unaccounted = beside(52, None)
