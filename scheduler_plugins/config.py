@@ -125,6 +125,32 @@ def request_target_ms(params: Any, key: str, default: float, invalid: Callable[[
     return target
 
 
+#: How many (request, target name) pairs ``InvalidTargetWarnings`` remembers.
+REMEMBERED_INVALID_TARGETS = 4096
+
+
+class InvalidTargetWarnings:
+    """Warns of a client's invalid per-request target once per request and target name.
+
+    The adapters read a request's targets on every step it is in (``request_target_ms``), so one bad request
+    would otherwise put a warning in the server's log every step until it ends. Each adapter holds one,
+    called on the engine's scheduler thread; it remembers the last ``REMEMBERED_INVALID_TARGETS`` pairs and
+    forgets the oldest first, so clients sending many bad requests cannot make it grow.
+    """
+
+    def __init__(self, warn: Callable[[str, str, Any], None]) -> None:
+        self._warn = warn  # (request id, target name, value): the adapter's own words
+        self._warned: dict[tuple[str, str], None] = {}  # insertion-ordered: oldest first
+
+    def __call__(self, rid: str, key: str, value: Any) -> None:
+        if (rid, key) in self._warned:
+            return
+        self._warned[rid, key] = None
+        if len(self._warned) > REMEMBERED_INVALID_TARGETS:
+            del self._warned[next(iter(self._warned))]
+        self._warn(rid, key, value)
+
+
 def positive_ms(value: Any) -> float | None:
     """A per-request target (``itl_target_ms``, ...) as a positive number of milliseconds, None
     when it is not one (the adapters then keep the server's target and log a warning)."""

@@ -29,6 +29,7 @@ chunk size. The chosen chunk is logged (logger ``scheduler_plugins.sglang``, INF
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -52,6 +53,7 @@ from scheduler_plugins.config import (
     ITL_TARGET_ARG,
     TPOT_TARGET_ARG,
     TTFT_TARGET_ARG,
+    InvalidTargetWarnings,
     Mode,
     SchedulerSettings,
     StepTime,
@@ -96,6 +98,7 @@ class SLOChunker:
         self._planned = False  # this iteration chose a chunk: its step's prediction is logged against it
         self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
         self.judge = TargetJudge("SLO scheduler", logger, settings.verdict_after_steps)
+        self._invalid_targets = InvalidTargetWarnings(_warn_invalid_target)
         self._last_log = 0.0
         self._last_target_ms = settings.itl_target_ms
 
@@ -110,11 +113,11 @@ class SLOChunker:
             return None
         # The strictest ITL target among the step's requests (the candidate's too: it decodes next); a
         # request's own target never loosens the server's.
-        params = [*(d.params for d in view.decodes), view.pending[0].params]
+        params = [*((d.rid, d.params) for d in view.decodes), (view.pending[0].rid, view.pending[0].params)]
         target_ms = min(
             [
                 self.slo.itl_target_ms,
-                *(self._target_ms(p, ITL_TARGET_ARG, self.slo.itl_target_ms) for p in params),
+                *(self._target_ms(rid, p, ITL_TARGET_ARG, self.slo.itl_target_ms) for rid, p in params),
             ]
         )
         decodes = len(view.decodes)
@@ -153,7 +156,10 @@ class SLOChunker:
             PendingPrefill(
                 p.remaining,
                 p.cached,
-                (self._target_ms(p.params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3 - p.waited_s)
+                (
+                    self._target_ms(p.rid, p.params, TTFT_TARGET_ARG, self.slo.ttft_target_ms) / 1e3
+                    - p.waited_s
+                )
                 * self.slo.headroom,
             )
             for p in view.pending
@@ -165,7 +171,7 @@ class SLOChunker:
         their own in ``custom_params``, never looser) and a known length."""
         tracks = []
         for d in decodes:
-            own = self._target_ms(d.params, TPOT_TARGET_ARG, self.slo.tpot_target_ms)
+            own = self._target_ms(d.rid, d.params, TPOT_TARGET_ARG, self.slo.tpot_target_ms)
             target_ms = tightened_ms(own, self.slo.tpot_target_ms)
             if target_ms and d.max_tokens > 0:
                 tracks.append(
@@ -175,10 +181,10 @@ class SLOChunker:
                 )
         return tracks
 
-    def _target_ms(self, params: Any, key: str, default: float) -> float:
-        """A request's own target ``key`` from its ``custom_params``; the server's ``default`` when unset or
-        invalid."""
-        return request_target_ms(params, key, default, _invalid_target)
+    def _target_ms(self, rid: str, params: Any, key: str, default: float) -> float:
+        """Request ``rid``'s own target ``key`` from its ``custom_params``; the server's ``default`` when
+        unset or invalid."""
+        return request_target_ms(params, key, default, functools.partial(self._invalid_targets, rid))
 
     def step_started(self, rows: list[tuple[int, int]]) -> None:
         """Before ``run_batch``: the previous step's cycle ends if the loop ran straight on, and this one
@@ -231,8 +237,8 @@ class SLOChunker:
         )
 
 
-def _invalid_target(key: str, value: Any) -> None:
-    logger.warning("ignoring invalid custom_params %s=%r", key, value)
+def _warn_invalid_target(rid: str, key: str, value: Any) -> None:
+    logger.warning("request %s: ignoring invalid custom_params %s=%r", rid, key, value)
 
 
 def refusals(settings: SchedulerSettings, facts: compat.ServerFacts) -> list[str]:

@@ -30,6 +30,7 @@ internal counters goes through ``pd_connector.vllm.compat``, which checks them a
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -61,6 +62,7 @@ from scheduler_plugins.config import (
     ITL_TARGET_ARG,
     TPOT_TARGET_ARG,
     TTFT_TARGET_ARG,
+    InvalidTargetWarnings,
     Mode,
     SchedulerSettings,
     StepTime,
@@ -111,6 +113,7 @@ class SLOScheduler(Scheduler):
         _warn_if_no_core_is_left(pinned_cores(workers))
         self._last_wait_warning = -WAIT_WARNING_INTERVAL_S
         self.judge = TargetJudge("SLOScheduler", logger, self.slo.verdict_after_steps)
+        self._invalid_targets = InvalidTargetWarnings(_warn_invalid_target)
         self._last_log = 0.0
         self._last_target_ms = self.slo.itl_target_ms
         self.current_budget = self._engine_cap
@@ -133,9 +136,7 @@ class SLOScheduler(Scheduler):
 
     # --- per-request targets -------------------------------------------------------------------------
     def _request_target_ms(self, request: Request, key: str, default: float) -> float:
-        def invalid(name: str, value: Any) -> None:
-            logger.warning("request %s: ignoring invalid %s=%r", request.request_id, name, value)
-
+        invalid = functools.partial(self._invalid_targets, request.request_id)
         return request_target_ms(compat.extra_args(request), key, default, invalid)
 
     def _decode_tracks(self, decodes: list[Request]) -> list[DecodeTrack]:
@@ -380,3 +381,7 @@ def _warn_if_no_core_is_left(model_cores: set[int]) -> None:
             "cannot be relied on; leave them a core (VLLM_CPU_OMP_THREADS_BIND on fewer cores)",
             _compact(sorted(model_cores)),
         )
+
+
+def _warn_invalid_target(rid: str, key: str, value: Any) -> None:
+    logger.warning("request %s: ignoring invalid %s=%r", rid, key, value)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from scheduler_plugins.config import Mode, SchedulerSettings, load_settings, tightened_ms
+from scheduler_plugins import config
+from scheduler_plugins.config import (
+    InvalidTargetWarnings,
+    Mode,
+    SchedulerSettings,
+    load_settings,
+    request_target_ms,
+    tightened_ms,
+)
 
 
 def test_defaults() -> None:
@@ -61,3 +71,31 @@ def test_a_request_target_only_tightens_an_optional_server_target() -> None:
     assert tightened_ms(30.0, 0.0) == 30.0  # no server target: the request's own
     assert tightened_ms(30.0, 50.0) == 30.0
     assert tightened_ms(80.0, 50.0) == 50.0  # never looser than the server's
+
+
+def test_an_invalid_request_target_is_warned_of_once_per_request_and_name() -> None:
+    """Each planned step reads its requests' targets again; the log gets one line per bad request and name."""
+    warned: list[tuple[str, str, object]] = []
+    invalid = InvalidTargetWarnings(lambda rid, key, value: warned.append((rid, key, value)))
+    for rid in ["a", "a", "b", "a"]:
+        for key in ["itl_target_ms", "ttft_target_ms"]:
+            assert request_target_ms({key: "soon"}, key, 7.0, functools.partial(invalid, rid)) == 7.0
+    assert warned == [
+        ("a", "itl_target_ms", "soon"),
+        ("a", "ttft_target_ms", "soon"),
+        ("b", "itl_target_ms", "soon"),
+        ("b", "ttft_target_ms", "soon"),
+    ]
+
+
+def test_invalid_target_warnings_remember_a_bounded_number_of_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Clients sending bad requests without end cannot grow the scheduler's memory: the oldest is forgotten
+    (and would be warned of again)."""
+    monkeypatch.setattr(config, "REMEMBERED_INVALID_TARGETS", 2)
+    warned: list[str] = []
+    invalid = InvalidTargetWarnings(lambda rid, key, value: warned.append(rid))
+    for rid in ["a", "b", "c", "c", "b", "a"]:
+        invalid(rid, "itl_target_ms", -1)
+    assert warned == ["a", "b", "c", "a"]

@@ -191,9 +191,14 @@ def test_a_request_target_tightens_the_step(monkeypatch: pytest.MonkeyPatch, cap
     loose = CAP  # the decode + the whole room: it all fits, so the cap bounds the chunk, not the alignment
     assert _prefill(scheduler, _running(10)) == loose
     assert _prefill(scheduler, _running(10, params={"itl_target_ms": 1})) == 1 + 16  # the minimum chunk
+    careless = _running(10, params={"itl_target_ms": "soon"})
     with caplog.at_level(logging.WARNING, logger=sglang.__name__):
-        assert _prefill(scheduler, _running(10, params={"itl_target_ms": "soon"})) == loose
-    assert "itl_target_ms='soon'" in caplog.text
+        for _ in range(3):  # one request over three steps: warned of once
+            assert _prefill(scheduler, careless) == loose
+    rid = careless.reqs[0].rid
+    assert [r.getMessage() for r in caplog.records] == [
+        f"request {rid}: ignoring invalid custom_params itl_target_ms='soon'"
+    ]
 
 
 MIXED = SimpleNamespace(forward_mode=FakeMode("mixed"), extend_lens=[48, 1], prefix_lens=[96, 30])

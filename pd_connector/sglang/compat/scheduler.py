@@ -144,6 +144,7 @@ def attached(scheduler: Any) -> Any:
 class PendingView(NamedTuple):
     """One prefill still to run, as SGLang's scheduler holds it."""
 
+    rid: str
     remaining: int  # prompt tokens still to compute
     cached: int  # tokens already computed (a waiting request's cached prefix is not matched yet: 0)
     params: Any  # its ``custom_params`` (its own TTFT target), None if unset
@@ -182,7 +183,7 @@ def _waited_s(req: Any) -> float:
 
 def _pending(req: Any, cached: int) -> PendingView:
     remaining = max(0, len(req.origin_input_ids) - cached)
-    return PendingView(remaining, cached, _custom_params(req), _waited_s(req))
+    return PendingView(str(req.rid), remaining, cached, _custom_params(req), _waited_s(req))
 
 
 def prefill_view(scheduler: Any, running_batch: Any, lookahead: int) -> PrefillView:
