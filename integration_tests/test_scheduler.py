@@ -308,6 +308,27 @@ def test_a_tpot_target_limits_the_steps_to_what_the_decodes_mean_gap_can_afford(
     assert all(line.limit_ms < 33983 for line in accounted), accounted
 
 
+def test_an_invalid_request_target_is_warned_of_once(servers: dict[str, ManagedServer]) -> None:
+    """A prompt whose ``ttft_target_ms`` is no number, chunked beside a stream: every step it is in reads its
+    target again, and the server's log warns of it once, not once a step (a client's bad field must not
+    flood the log). The prompt is still served, on the server's TTFT target."""
+
+    async def run(offset: int) -> tuple[int, str] | None:
+        since = _log_size(servers["ours"])
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 60):
+            xargs = {"itl_target_ms": 5, "ttft_target_ms": "soon"}
+            ids, _ = await _complete(session, servers["ours"], _prompt(61 + offset, 900), 2, xargs)
+        assert len(ids) == 2
+        steps = [
+            line for line in _budget_lines(servers["ours"], since) if line.target_ms == 5 and line.decodes
+        ]
+        log = servers["ours"].log_path.read_text(errors="replace")[since:]
+        return (len(steps), log) if len(steps) >= 2 else None
+
+    steps, log = _tries_beside(lambda offset: asyncio.run(run(offset)))
+    assert log.count("ignoring invalid ttft_target_ms='soon'") == 1, (steps, log)
+
+
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
     """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (minimum
     chunk every step), and every one of its chunk steps also decodes every stream (no freeze).
