@@ -32,6 +32,11 @@ BUDGET_LINE = re.compile(
     r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+) budget=(?P<budget>\d+) "
     r".*? decodes=(?P<decodes>\d+) predicted_ms=\S+ limit_ms=(?P<limit>[\d.]+|inf)"
 )
+# uvicorn's access line for a completion request: written as its response starts, just before vLLM's streaming
+# generator hands the request to the engine.
+REQUEST_LINE = '"POST /v1/completions HTTP/1.1"'
+#: Chunk steps of a long prompt after a short one's request line for the admission test to judge the try.
+JUDGED_STEPS = 10
 TIMEOUT = aiohttp.ClientTimeout(total=180)
 T = TypeVar("T")
 # Decode streams ask for far more tokens than any prefill here takes steps (a 900-token prompt: 57 chunk steps
@@ -46,6 +51,8 @@ TRY_SEED_STRIDE = 500
 # The scheduler's defaults (chunk_align_tokens=16, min_chunk_tokens=0 = one alignment unit).
 ALIGN = SchedulerSettings().chunk_align(block_size=32)
 MIN_CHUNK = SchedulerSettings().min_chunk(block_size=32)
+# Steps the cost model needs before the scheduler's verdict on a target (``verdict_after_steps``), and one.
+VERDICT_STEPS = SchedulerSettings().verdict_after_steps + 1
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +109,11 @@ async def _beside_a_stream(
     servers: dict[str, ManagedServer],
     seed: int,
     xargs: dict[str, Any] | None = None,
+    started_tokens: int = 3,
 ) -> AsyncIterator[None]:
     """A stream decoding on ours (a 16-token prompt; server targets unless ``xargs`` sets its own) for the
-    body's duration: the decodes a prefill's chunks are sized beside. It asks for more tokens than any
+    body's duration, which starts once the client has ``started_tokens`` of it: the decodes a prefill's
+    chunks are sized beside. It asks for more tokens than any
     prefill here takes steps and is cancelled on exit (vLLM aborts it), and the exit waits until the server
     holds no request: an abort reaches the engine only when the API server, which shares the engine's core,
     gets to it, and streams left running slowed that API server so much that later tests' prompts arrived
@@ -114,7 +123,7 @@ async def _beside_a_stream(
         _complete(session, servers["ours"], _prompt(seed, 16), DECODE_TOKENS, xargs, times)
     )
     try:
-        await wait_until_async(lambda: len(times) >= 3, 60, "the stream decoding")
+        await wait_until_async(lambda: len(times) >= started_tokens, 60, "the stream decoding")
         yield
     finally:
         stream.cancel()
@@ -149,7 +158,10 @@ class BudgetLine(NamedTuple):
 
 
 def _budget_lines(server: ManagedServer, since: int) -> list[BudgetLine]:
-    text = server.log_path.read_text(errors="replace")[since:]
+    return _budget_lines_in(server.log_path.read_text(errors="replace")[since:])
+
+
+def _budget_lines_in(text: str) -> list[BudgetLine]:
     return [
         BudgetLine(
             float(m["target"]), int(m["chunk"]), int(m["budget"]), int(m["decodes"]), float(m["limit"])
@@ -230,20 +242,28 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
     # Two prompts of one length, neither cached (a cached prompt would need few steps whatever the target).
     patient = _tries_beside(lambda offset: asyncio.run(prefill(31 + offset, 3_600_000)))
     hurried = _tries_beside(lambda offset: asyncio.run(prefill(32 + offset, 250)))
-    # How many fewer steps depends on the fitted costs (21 and 31 of 57 in two runs); the floor's chunks
-    # are at least twice the ITL target's largest, and the prompt takes fewer steps.
-    assert max(line.chunk for line in hurried) >= 2 * max(line.chunk for line in patient), (hurried, patient)
+    # How many fewer steps depends on the fitted costs (21 and 31 of 57 in two runs). The 5 ms target is lost
+    # beside the stream, so the patient prompt's chunks are the minimum, or a little more where the fitted
+    # per-token cost is low (``lost_target_slack``: 32 tokens in one step of a run); the floor holds every
+    # step of the hurried one to the same larger size.
+    hurried_chunks, patient_chunks = [line.chunk for line in hurried], [line.chunk for line in patient]
+    assert statistics.median(hurried_chunks) > statistics.median(patient_chunks), (hurried, patient)
     assert len(hurried) < len(patient), (hurried, patient)
 
 
 def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
     servers: dict[str, ManagedServer],
 ) -> None:
-    """Beside a running stream at a 5 ms ITL target, a 900-token prompt with no TTFT deadline in reach is
-    prefilled in ~57 ITL-sized chunks. A short prompt sent meanwhile, due first (a 60 s TTFT target against
+    """Beside a running stream at a 5 ms ITL target, a 1500-token prompt with no TTFT deadline in reach is
+    prefilled in ~94 ITL-sized chunks. A short prompt sent meanwhile, due first (a 60 s TTFT target against
     an hour), is admitted beside it (``budget.admission_chunk``) and answered while the long prompt is still
     prefilling; without that it waits for the whole long prompt, as it does with ``ttft_aware_chunks`` off.
-    Judged by the order in which one client receives the two answers' tokens, not by times."""
+    Judged by the order in which one client receives the two answers' tokens, not by times.
+
+    The short prompt must reach the server while the long one still has steps to go: a try is judged only
+    when its server log has ``JUDGED_STEPS`` of the long prompt's chunk steps after the short prompt's
+    request line (a CI-like run had 3: the API server had taken it in as the prefill ended, and it was
+    answered after), else run again (``_tries_beside``)."""
 
     async def run(offset: int) -> tuple[list[float], list[float]] | None:
         long_times: list[float] = []
@@ -252,7 +272,7 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 40):
             patient = {"itl_target_ms": 5, "ttft_target_ms": 3_600_000}
             long = asyncio.create_task(
-                _complete(session, servers["ours"], _prompt(41 + offset, 900), 4, patient, long_times)
+                _complete(session, servers["ours"], _prompt(41 + offset, 1500), 4, patient, long_times)
             )
 
             def chunk_steps() -> int:
@@ -268,6 +288,11 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
             due_first = {"itl_target_ms": 5, "ttft_target_ms": 60_000}
             await _complete(session, servers["ours"], _prompt(42 + offset, 48), 2, due_first, short_times)
             await long
+        log = servers["ours"].log_path.read_text(errors="replace")[since:]
+        short_request = log.rindex(REQUEST_LINE)  # the stream's, the long prompt's, then the short one's
+        after = _budget_lines_in(log[short_request:])
+        if sum(1 for line in after if line.target_ms == 5 and line.decodes) < JUDGED_STEPS:
+            return None
         return long_times, short_times
 
     long_times, short_times = _tries_beside(lambda offset: asyncio.run(run(offset)))
@@ -330,8 +355,9 @@ def test_an_invalid_request_target_is_warned_of_once(servers: dict[str, ManagedS
 
 
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
-    """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (minimum
-    chunk every step), and every one of its chunk steps also decodes every stream (no freeze).
+    """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (at least
+    the minimum chunk every step; more where it costs the step little, ``lost_target_slack``), and every one
+    of its chunk steps also decodes every stream (no freeze).
 
     Judged from the engine's own step log, not from token arrival times at the client: vLLM's API server
     shares the engine's core, and on a loaded machine it fell seconds behind the engine (a CI run, and this
@@ -366,41 +392,42 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
             return long_ids
 
     assert len(asyncio.run(run())) == 4
-    # Each stream's 16-token prompt is one step; every step after those is one of the long prompt's chunks.
+    # Each stream's 16-token prompt is one step beside fewer streams; the long prompt's chunks are planned
+    # beside all 4, and with them, the whole prompt.
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 1]
-    chunks = -(-900 // MIN_CHUNK)
-    long_prefill = overloaded[-chunks:]
-    assert len(overloaded) >= chunks + 1, f"{len(overloaded)} chunk steps at the 1 ms target"
-    assert {line.chunk for line in long_prefill} == {MIN_CHUNK}, "overloaded: exactly the floor every step"
-    assert {line.decodes for line in long_prefill} == {4}, "a stream was not running through the prefill"
-    assert {line.budget for line in long_prefill} == {4 + MIN_CHUNK}, "a chunk step left the decodes out"
+    long_prefill = [line for line in overloaded if line.decodes == 4]
+    assert sum(line.chunk for line in long_prefill) >= 900, f"a stream was not running through: {overloaded}"
+    assert all(line.chunk >= MIN_CHUNK and line.chunk % ALIGN == 0 for line in long_prefill), long_prefill
+    assert all(line.budget == 4 + line.chunk for line in long_prefill), "a chunk step left the decodes out"
     # ... and the scheduler said, from its measurements, that it cannot hold a 1 ms target.
     log = servers["ours"].log_path.read_text(errors="replace")[since:]
     assert "SLOScheduler cannot hold itl_target_ms=1 here" in log
 
 
 def test_budget_follows_the_itl_target(servers: dict[str, ManagedServer]) -> None:
-    """The same load under a loose then a tight per-request target: the chosen chunks shrink."""
+    """The same load under a loose then a tight per-request target: the chosen chunks shrink. Two long
+    prompts are sent once a stream with the target has decoded ``VERDICT_STEPS`` tokens: a prompt sent with
+    the stream's own is not chunked beside it (an earlier version of this test sent all four at once, and a
+    run planned them in lone steps), and by then the cost model has measured enough steps for the
+    scheduler's verdict on the target."""
 
-    async def run(target_ms: float, seed: int) -> None:
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            xargs = {"itl_target_ms": target_ms}
-            decodes = [
-                _complete(session, servers["ours"], _prompt(seed + i, 16), 120, xargs) for i in range(2)
-            ]
+    async def run(target_ms: float, seed: int) -> list[int] | None:
+        since = _log_size(servers["ours"])
+        xargs = {"itl_target_ms": target_ms}
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as session,
+            _beside_a_stream(session, servers, seed, xargs, VERDICT_STEPS),
+        ):
             longs = [
                 _complete(session, servers["ours"], _prompt(seed + 5 + i, 900), 2, xargs) for i in range(2)
             ]
-            await asyncio.gather(*decodes, *longs)
+            await asyncio.gather(*longs)
+        lines = _budget_lines(servers["ours"], since)
+        return [line.chunk for line in lines if line.target_ms == target_ms and line.decodes] or None
 
     since = _log_size(servers["ours"])
-    asyncio.run(run(400.0, 100))
-    asyncio.run(run(8.0, 200))
-    lines = _budget_lines(servers["ours"], since)
-    # Steps with a decode beside the prefill: a lone prefill is never chunked, whatever the target.
-    loose = [line.chunk for line in lines if line.target_ms == 400 and line.decodes]
-    tight = [line.chunk for line in lines if line.target_ms == 8 and line.decodes]
-    assert loose and tight
+    loose = _tries_beside(lambda offset: asyncio.run(run(400.0, 100 + offset)))
+    tight = _tries_beside(lambda offset: asyncio.run(run(8.0, 200 + offset)))
     assert statistics.median(tight) < statistics.median(loose)
     assert min(tight) >= MIN_CHUNK and all(chunk % ALIGN == 0 for chunk in tight)  # aligned, >= minimum
     # The tiny model's steps take milliseconds: a 400 ms target holds, and the log says so.

@@ -9,7 +9,8 @@ Guarantees the tests check:
 - the chunk is a multiple of the alignment (the KV block size), except that it never exceeds the engine cap,
   and is the whole room the cap leaves when that fits the target;
 - the chunk is at least ``min_chunk`` whenever the engine cap allows, even when the decodes alone already
-  exceed the target: every pending prefill makes progress each step, so nothing starves;
+  exceed the target: every pending prefill makes progress each step, so nothing starves; and when that
+  minimum is over the target, the chunk is the largest predicted within ``lost_slack`` of its step time;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
 - a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room;
 - with TPOT targets, the step's time limit is also at most what every decode's mean gap can afford
@@ -127,8 +128,16 @@ def tpot_limit_s(tracks: Iterable[DecodeTrack], decode_step_s: float, headroom: 
     return limit
 
 
-def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, min_chunk: int) -> int:
+def prefill_chunk(
+    model: CostModel, plan: StepPlan, limit_s: float, align: int, min_chunk: int, lost_slack: float = 0.0
+) -> int:
     """Largest ``align``-multiple chunk with predicted step time <= ``limit_s``, at least ``min_chunk``.
+
+    When even ``min_chunk`` is predicted over ``limit_s``, this step's gap is lost whatever the chunk: the
+    limit becomes the minimum chunk's step time times ``1 + lost_slack``, so the chunk grows while the step
+    stays within that fraction of the shortest it can be. Where a step's cost hardly depends on its chunk
+    (SGLang CPU deep in a prompt: its fixed and depth costs dominate) that prefills the prompt in far fewer
+    such slow steps for a gap that much longer; 0 keeps the minimum chunk.
 
     Binary search over multiples of ``align``: ``model.predict`` is non-decreasing in the chunk size.
     """
@@ -137,6 +146,9 @@ def prefill_chunk(model: CostModel, plan: StepPlan, limit_s: float, align: int, 
     room = plan.max_step_tokens - plan.decodes
     if room <= 0:
         return 0
+    shortest_s = model.predict(plan.shape(min(room, min_chunk)))
+    if shortest_s > limit_s:
+        limit_s = shortest_s * (1 + lost_slack)
     lo, hi = 0, room // align  # lo: known to fit (0 blocks always "fits": the floor is applied below)
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -137,7 +137,9 @@ class SLOChunker:
             ),
         )
         chunk = max(
-            prefill_chunk(self.cost_model, plan, limit_s, self.align, self.min_chunk),
+            prefill_chunk(
+                self.cost_model, plan, limit_s, self.align, self.min_chunk, self.slo.lost_target_slack
+            ),
             self._deadline_chunk(plan, view),
         )
         self.last_chunk = chunk

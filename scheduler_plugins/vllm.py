@@ -254,7 +254,9 @@ class SLOScheduler(Scheduler):
             ),
         )
         chunk = max(
-            prefill_chunk(self.cost_model, plan, limit_s, self._align, self._min_chunk),
+            prefill_chunk(
+                self.cost_model, plan, limit_s, self._align, self._min_chunk, self.slo.lost_target_slack
+            ),
             self._deadline_chunk(plan, prefills, local_waiting),
         )
         self.judge.judge(self.cost_model, plan, self._min_chunk, itl_limit_s, target_ms, time.monotonic())

@@ -54,6 +54,38 @@ def test_minimum_chunk_when_decodes_alone_exceed_the_target() -> None:
     assert prefill_chunk(CostModel(LAW), _plan(decodes=200), limit_s=0.1, align=32, min_chunk=64) == 64
 
 
+def test_a_lost_step_takes_the_largest_chunk_within_the_slack_of_the_minimum() -> None:
+    """100 ms + 0.1 ms per prefill token + 1 ms per decode: with 4 decodes the 32-token minimum takes
+    107.2 ms, over the 50 ms limit whatever the chunk. 10% slack allows 117.9 ms: 128 tokens (139 aligned
+    down), a step 11% longer than the minimum's for 4x the prompt; no slack keeps the minimum."""
+    model = CostModel((0.100, 1e-4, 1e-3, 0.0))
+    assert prefill_chunk(model, _plan(), limit_s=0.050, align=32, min_chunk=32, lost_slack=0.1) == 128
+    assert prefill_chunk(model, _plan(), limit_s=0.050, align=32, min_chunk=32, lost_slack=0.0) == 32
+    # A limit the minimum chunk meets is the limit, whatever the slack: 104 + 0.1 x 64 = 110.4 ms.
+    assert prefill_chunk(model, _plan(), limit_s=0.1105, align=32, min_chunk=32, lost_slack=0.1) == 64
+
+
+@given(
+    fixed_ms=st.floats(1.0, 200.0),
+    per_token_us=st.floats(1.0, 2000.0),
+    decodes=st.integers(0, 256),
+    limit_ms=st.floats(1.0, 300.0),
+    slack=st.floats(0.0, 1.0),
+)
+def test_the_chunk_is_the_largest_within_the_limit_or_when_none_is_the_slack_over_the_minimum(
+    fixed_ms: float, per_token_us: float, decodes: int, limit_ms: float, slack: float
+) -> None:
+    model = CostModel((fixed_ms / 1e3, per_token_us / 1e6, 1e-4, 0.0))
+    plan = _plan(decodes=decodes, cap=4096)
+    chunk = prefill_chunk(model, plan, limit_s=limit_ms / 1e3, align=16, min_chunk=16, lost_slack=slack)
+    shortest = model.predict(plan.shape(16))
+    bound = limit_ms / 1e3 if shortest <= limit_ms / 1e3 else shortest * (1 + slack)
+    assert chunk >= 16
+    assert chunk == 16 or model.predict(plan.shape(chunk)) <= bound * (1 + 1e-12)
+    room = plan.max_step_tokens - plan.decodes
+    assert chunk + 16 > room or model.predict(plan.shape(chunk + 16)) > bound  # the largest that fits
+
+
 def test_engine_cap_bounds_the_chunk() -> None:
     assert (
         prefill_chunk(CostModel(LAW), _plan(decodes=4, cap=100), limit_s=10.0, align=32, min_chunk=32) == 96
