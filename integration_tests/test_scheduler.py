@@ -67,8 +67,15 @@ def servers(start_servers, tiny_model: Path, log_dir: Path) -> dict[str, Managed
         max_model_len=2048,
         extra_args=["--scheduler-cls", "scheduler_plugins.vllm.SLOScheduler"],
         # A loose server target (each test tightens it per request) leaves room under its limit (85 s) for
-        # a TPOT account's.
-        env={"PD_SCHED_ITL_TARGET_MS": "100000", "PD_SCHED_LOG_INTERVAL_S": "0"},
+        # a TPOT account's. The 5 ms and 1 ms targets here are lost beside any decode on this CPU, and the
+        # tests compare other chunks with the minimum those get: no slack over it (with ``lost_target_slack``
+        # the chunk varies with the fitted per-token cost: at 0.1, one step of a run took 32 tokens; the unit
+        # tests and the SGLang check cover it).
+        env={
+            "PD_SCHED_ITL_TARGET_MS": "100000",
+            "PD_SCHED_LOG_INTERVAL_S": "0",
+            "PD_SCHED_LOST_TARGET_SLACK": "0",
+        },
     )
     start_servers(default, ours)
     return {"default": default, "ours": ours}
@@ -242,12 +249,9 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
     # Two prompts of one length, neither cached (a cached prompt would need few steps whatever the target).
     patient = _tries_beside(lambda offset: asyncio.run(prefill(31 + offset, 3_600_000)))
     hurried = _tries_beside(lambda offset: asyncio.run(prefill(32 + offset, 250)))
-    # How many fewer steps depends on the fitted costs (21 and 31 of 57 in two runs). The 5 ms target is lost
-    # beside the stream, so the patient prompt's chunks are the minimum, or a little more where the fitted
-    # per-token cost is low (``lost_target_slack``: 32 tokens in one step of a run); the floor holds every
-    # step of the hurried one to the same larger size.
-    hurried_chunks, patient_chunks = [line.chunk for line in hurried], [line.chunk for line in patient]
-    assert statistics.median(hurried_chunks) > statistics.median(patient_chunks), (hurried, patient)
+    # How many fewer steps depends on the fitted costs (21 and 31 of 57 in two runs); the floor's chunks
+    # are at least twice the ITL target's largest, and the prompt takes fewer steps.
+    assert max(line.chunk for line in hurried) >= 2 * max(line.chunk for line in patient), (hurried, patient)
     assert len(hurried) < len(patient), (hurried, patient)
 
 
@@ -355,9 +359,9 @@ def test_an_invalid_request_target_is_warned_of_once(servers: dict[str, ManagedS
 
 
 def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, ManagedServer]) -> None:
-    """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (at least
-    the minimum chunk every step; more where it costs the step little, ``lost_target_slack``), and every one
-    of its chunk steps also decodes every stream (no freeze).
+    """Decode streams whose 1 ms target the decodes alone exceed: the long prompt still finishes (the
+    minimum chunk every step: this server takes no ``lost_target_slack``), and every one of its chunk steps
+    also decodes every stream (no freeze).
 
     Judged from the engine's own step log, not from token arrival times at the client: vLLM's API server
     shares the engine's core, and on a loaded machine it fell seconds behind the engine (a CI run, and this
@@ -397,7 +401,7 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
     overloaded = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 1]
     long_prefill = [line for line in overloaded if line.decodes == 4]
     assert sum(line.chunk for line in long_prefill) >= 900, f"a stream was not running through: {overloaded}"
-    assert all(line.chunk >= MIN_CHUNK and line.chunk % ALIGN == 0 for line in long_prefill), long_prefill
+    assert {line.chunk for line in long_prefill} == {MIN_CHUNK}, "overloaded: exactly the floor every step"
     assert all(line.budget == 4 + line.chunk for line in long_prefill), "a chunk step left the decodes out"
     # ... and the scheduler said, from its measurements, that it cannot hold a 1 ms target.
     log = servers["ours"].log_path.read_text(errors="replace")[since:]

@@ -54,7 +54,7 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # A step whose minimum chunk is already predicted over its limit (the target is lost for that step) takes
     # the largest chunk predicted within this fraction above the minimum chunk's step time: the prompt is
     # prefilled in fewer slow steps, each at most this much slower (budget.prefill_chunk); 0: the minimum.
-    lost_target_slack: Annotated[float, msgspec.Meta(ge=0)] = 0.1
+    lost_target_slack: Annotated[float, msgspec.Meta(ge=0)] = 0.25
     # vLLM does not need block-aligned chunks (the next chunk starts inside the block); 16 tokens keeps GPU
     # matmul tiles full while letting a chunk fill the step's time budget closely. On the CPU test machine a
     # 32-token block of a deep prompt costs ~40 ms, so block alignment wasted up to a third of the budget.

@@ -284,12 +284,13 @@ def init_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         )
     compat.attach(scheduler, chunker)
     logger.info(
-        "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d chunked_prefill_size=%d "
-        "step_time=%s",
+        "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d lost_target_slack=%g "
+        "chunked_prefill_size=%d step_time=%s",
         settings.itl_target_ms,
         settings.headroom,
         chunker.align,
         chunker.min_chunk,
+        settings.lost_target_slack,
         chunker.engine_cap,
         settings.step_time.value,
     )

@@ -120,7 +120,8 @@ class SLOScheduler(Scheduler):
         self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g tpot_target_ms=%g headroom=%g "
-            "chunk_align=%d min_chunk=%d engine_cap=%d step_time=%s engine_cores=%s api_server_cores=%s",
+            "chunk_align=%d min_chunk=%d lost_target_slack=%g engine_cap=%d step_time=%s engine_cores=%s "
+            "api_server_cores=%s",
             self.slo.mode.value,
             self.slo.itl_target_ms,
             self.slo.ttft_target_ms,
@@ -128,6 +129,7 @@ class SLOScheduler(Scheduler):
             self.slo.headroom,
             self._align,
             self._min_chunk,
+            self.slo.lost_target_slack,
             self._engine_cap,
             self.slo.step_time.value,
             _cores(0),

@@ -40,6 +40,7 @@ def test_other_additional_config_sections_are_ignored() -> None:
         ({"PD_SCHED_ITL_TARGET_MS": "-1"}, None, "itl_target_ms"),
         ({"PD_SCHED_ITL_TARGET_MS": "fast"}, None, "itl_target_ms"),
         ({"PD_SCHED_TPOT_TARGET_MS": "-1"}, None, "tpot_target_ms"),
+        ({"PD_SCHED_LOST_TARGET_SLACK": "-0.1"}, None, "lost_target_slack"),
         ({"PD_SCHED_TYPO": "1"}, None, "PD_SCHED_TYPO"),
         ({}, {"scheduler_plugins": {"mode": "both"}}, "mode"),
         ({}, {"scheduler_plugins": {"headroom": 1.5}}, "headroom"),
