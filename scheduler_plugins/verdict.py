@@ -71,9 +71,9 @@ class TargetJudge:
             return
         self._logger.warning(
             "%s cannot hold itl_target_ms=%g here: %d decodes + the minimum %d-token chunk are predicted at "
-            "%.1f ms > limit %.1f ms (%s); every step still prefills %d tokens (no starvation), so gaps will "
-            "exceed the target: raise the target, run fewer streams, or give the engine (and the API server) "
-            "more cores",
+            "%.1f ms > limit %.1f ms (%s); every step still prefills at least %d tokens (no starvation), "
+            "so gaps will exceed the target: raise the target, run fewer streams, or give the engine (and "
+            "the API server) more cores",
             *step,
             explain(model, plan, min_chunk, limit_s),
             min_chunk,
