@@ -45,8 +45,8 @@ T = TypeVar("T")
 DECODE_TOKENS = 2000
 #: Tries of a test whose prompt must reach the engine while a stream decodes (``_tries_beside``).
 ATTEMPTS = 3
-#: What each try adds to a test's prompt seeds, so a try's prompts are new (not in the prefix cache) and are no
-#: other test's: ``_prompt`` repeats only every 1900 seeds, and the tests' own seeds are below 500.
+#: What each try adds to a test's prompt seeds, so a try's prompts are new (not in the prefix cache) and
+#: are no other test's: ``_prompt`` repeats only every 1900 seeds, and the tests' own seeds are below 500.
 TRY_SEED_STRIDE = 500
 # The scheduler's defaults (chunk_align_tokens=16, min_chunk_tokens=0 = one alignment unit).
 ALIGN = SchedulerSettings().chunk_align(block_size=32)
