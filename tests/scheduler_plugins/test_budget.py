@@ -75,6 +75,8 @@ def test_a_lost_step_takes_the_largest_chunk_within_the_slack_of_the_minimum() -
 def test_the_chunk_is_the_largest_within_the_limit_or_when_none_is_the_slack_over_the_minimum(
     fixed_ms: float, per_token_us: float, decodes: int, limit_ms: float, slack: float
 ) -> None:
+    """Whatever the costs and the limit: never below the minimum, and the largest aligned chunk predicted
+    within the limit, or, when even the minimum's step is over it, within the slack over that step."""
     model = CostModel((fixed_ms / 1e3, per_token_us / 1e6, 1e-4, 0.0))
     plan = _plan(decodes=decodes, cap=4096)
     chunk = prefill_chunk(model, plan, limit_s=limit_ms / 1e3, align=16, min_chunk=16, lost_slack=slack)
