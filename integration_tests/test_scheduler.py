@@ -255,14 +255,18 @@ def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks
     assert len(hurried) < len(patient), (hurried, patient)
 
 
-def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
-    servers: dict[str, ManagedServer],
+@pytest.mark.parametrize("long_ttft_ms", [3_600_000, 1], ids=["long-due-later", "long-already-late"])
+def test_a_short_prompt_that_can_be_on_time_is_answered_before_the_prefill_under_way(
+    servers: dict[str, ManagedServer], long_ttft_ms: int
 ) -> None:
     """Beside a running stream at a 5 ms ITL target, a 1500-token prompt with no TTFT deadline in reach is
-    prefilled in ~94 ITL-sized chunks. A short prompt sent meanwhile, due first (a 60 s TTFT target against
-    an hour), is admitted beside it (``budget.admission_chunk``) and answered while the long prompt is still
-    prefilling; without that it waits for the whole long prompt, as it does with ``ttft_aware_chunks`` off.
-    Judged by the order in which one client receives the two answers' tokens, not by times.
+    prefilled in ~94 ITL-sized chunks. A short prompt sent meanwhile (a 60 s TTFT target) is admitted beside
+    it (``budget.urgent_count``, ``budget.admission_chunk``) and answered while the long prompt is still
+    prefilling, both when it is due first (the long prompt's target is an hour) and when the long prompt's
+    deadline has passed (a 1 ms target: before, the short prompt then waited for the whole long prompt, as a
+    new stream's did for 3.7 s in the scheduler benchmark); without admission it waits, as it does with
+    ``ttft_aware_chunks`` off. Judged by the order in which one client receives the two answers' tokens, not
+    by times.
 
     The short prompt must reach the server while the long one still has steps to go: a try is judged only
     when its server log has ``JUDGED_STEPS`` of the long prompt's chunk steps after the short prompt's
@@ -274,9 +278,10 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
         short_times: list[float] = []
         since = _log_size(servers["ours"])
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, _beside_a_stream(session, servers, 40):
-            patient = {"itl_target_ms": 5, "ttft_target_ms": 3_600_000}
+            xargs = {"itl_target_ms": 5, "ttft_target_ms": long_ttft_ms}
+            seed = 41 + offset + (0 if long_ttft_ms > 1 else 100)  # new prompts for each case too
             long = asyncio.create_task(
-                _complete(session, servers["ours"], _prompt(41 + offset, 1500), 4, patient, long_times)
+                _complete(session, servers["ours"], _prompt(seed, 1500), 4, xargs, long_times)
             )
 
             def chunk_steps() -> int:
@@ -289,8 +294,8 @@ def test_a_short_prompt_due_before_the_prefill_under_way_is_answered_before_it(
             if chunk_steps() < 3:  # answered without being chunked beside the stream: it came too late
                 await long
                 return None
-            due_first = {"itl_target_ms": 5, "ttft_target_ms": 60_000}
-            await _complete(session, servers["ours"], _prompt(42 + offset, 48), 2, due_first, short_times)
+            on_time = {"itl_target_ms": 5, "ttft_target_ms": 60_000}
+            await _complete(session, servers["ours"], _prompt(seed + 1, 48), 2, on_time, short_times)
             await long
         log = servers["ours"].log_path.read_text(errors="replace")[since:]
         short_request = log.rindex(REQUEST_LINE)  # the stream's, the long prompt's, then the short one's

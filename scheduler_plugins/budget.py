@@ -238,6 +238,47 @@ def admission_chunk(prompts: Iterable[int], min_chunk: int, align: int, room: in
     return chunk
 
 
+@dataclass(frozen=True)
+class WaitingPrompt:
+    """A waiting request as ``urgent_count`` sees it (the adapter reads it from the queue)."""
+
+    tokens: int  # its whole prompt, to compute
+    time_left_s: float  # to its TTFT deadline, headroom applied; negative once it passed
+
+
+def urgent_count(
+    model: CostModel,
+    plan: StepPlan,
+    waiting: Sequence[WaitingPrompt],
+    under_way_time_left_s: float,
+    min_chunk: int,
+    align: int,
+) -> int:
+    """How many leading ``waiting`` prompts (deadline order) to admit whole beside the prefill under way in
+    this step (``admission_chunk`` sizes it), rather than after that prefill's whole prompt.
+
+    A prompt is urgent when it is due before the prefill under way, or whenever that prefill's own deadline
+    has passed (its first token is late whatever happens now, and a prompt that can still be on time should
+    not wait for all of it: on one CPU a new stream's short prompt waited 3.7 s behind a late 2000-token
+    prompt). It must not be late itself, and the step that admits it (with the urgent prompts before it) must
+    be predicted to end within its time left: a prompt that would miss its deadline anyway would only
+    stretch the decodes' step. The first prompt that is not urgent ends the count (the engine takes waiting
+    prompts in queue order).
+    """
+    room = plan.max_step_tokens - plan.decodes
+    prompts: list[int] = []
+    for w in waiting:
+        if w.time_left_s <= 0 or 0 < under_way_time_left_s <= w.time_left_s:
+            break
+        prompts.append(w.tokens)
+        chunk = admission_chunk(prompts, min_chunk, align, room)
+        if partial_share(chunk, prompts, min_chunk) != chunk - sum(prompts):
+            return len(prompts) - 1  # the room cannot hold them all
+        if model.predict(plan.shape(chunk)) > min(p.time_left_s for p in waiting[: len(prompts)]):
+            return len(prompts) - 1
+    return len(prompts)
+
+
 def partial_share(chunk: int, waiting_prompts: Iterable[int], min_chunk: int) -> int:
     """How many of the step's ``chunk`` prefill tokens the prefill under way may take, so that waiting
     requests whose whole prompt fits the rest are admitted in the same step (FCFS, until one does not fit).

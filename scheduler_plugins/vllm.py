@@ -49,6 +49,7 @@ from scheduler_plugins.budget import (
     FirstTokens,
     PendingPrefill,
     StepPlan,
+    WaitingPrompt,
     admission_chunk,
     deadline_chunk,
     deadline_order,
@@ -57,6 +58,7 @@ from scheduler_plugins.budget import (
     prefill_chunk,
     step_limit_s,
     tpot_limit_s,
+    urgent_count,
 )
 from scheduler_plugins.config import (
     ITL_TARGET_ARG,
@@ -276,8 +278,8 @@ class SLOScheduler(Scheduler):
 
     def _deadline_chunk(self, plan: StepPlan, prefills: list[Request], waiting: list[Request]) -> int:
         """The chunk with which the pending prefills are predicted to end by their TTFT deadlines, and with
-        which waiting prompts due before the prefill under way are admitted beside it now (with
-        ``admit_during_prefill``; 0: the ITL target alone decides; ``ttft_aware_chunks`` off, or every
+        which urgent waiting prompts (``budget.urgent_count``) are admitted beside the prefill under way now
+        (with ``admit_during_prefill``; 0: the ITL target alone decides; ``ttft_aware_chunks`` off, or every
         deadline is lost anyway).
 
         The floor sees the prefills in the order the engine will serve them: those urgent prompts, the
@@ -287,14 +289,10 @@ class SLOScheduler(Scheduler):
             return 0
         now = time.time()
         admit = prefills and self.slo.admit_during_prefill  # partial_share admits them (_plan_step)
-        urgent = self._urgent(prefills[0], waiting, now) if admit else []
+        urgent = self._urgent(plan, prefills[0], waiting, now) if admit else []
         order = [*urgent, *prefills, *waiting[len(urgent) :]][:FLOOR_LOOKAHEAD]
         pending = [
-            PendingPrefill(
-                compat.pending_tokens(r),
-                compat.computed_tokens(r),
-                (self._deadline(r) - now) * self.slo.headroom,
-            )
+            PendingPrefill(compat.pending_tokens(r), compat.computed_tokens(r), self._time_left_s(r, now))
             for r in order
         ]
         room = plan.max_step_tokens - plan.decodes
@@ -303,17 +301,25 @@ class SLOScheduler(Scheduler):
             admission_chunk((compat.pending_tokens(r) for r in urgent), self._min_chunk, self._align, room),
         )
 
-    def _urgent(self, under_way: Request, waiting: list[Request], now: float) -> list[Request]:
-        """The leading waiting requests (deadline order) due before the prefill under way and not yet late:
-        those to admit beside it now rather than after its whole prompt."""
-        due = self._deadline(under_way)
-        urgent = []
-        for request in waiting:
-            deadline = self._deadline(request)
-            if deadline >= due or deadline <= now:
-                break
-            urgent.append(request)
-        return urgent
+    def _urgent(
+        self, plan: StepPlan, under_way: Request, waiting: list[Request], now: float
+    ) -> list[Request]:
+        """The leading waiting requests (deadline order) to admit beside the prefill under way now rather than
+        after its whole prompt (``budget.urgent_count``)."""
+        candidates = waiting[:FLOOR_LOOKAHEAD]
+        count = urgent_count(
+            self.cost_model,
+            plan,
+            [WaitingPrompt(compat.pending_tokens(r), self._time_left_s(r, now)) for r in candidates],
+            self._time_left_s(under_way, now),
+            self._min_chunk,
+            self._align,
+        )
+        return candidates[:count]
+
+    def _time_left_s(self, request: Request, now: float) -> float:
+        """Seconds to ``request``'s TTFT deadline with the headroom applied (``now``: ``time.time()``)."""
+        return (self._deadline(request) - now) * self.slo.headroom
 
     def _set_budget(self, budget: int, long_prefill_threshold: int) -> None:
         compat.set_token_budget(self, budget, long_prefill_threshold)

@@ -16,6 +16,7 @@ from scheduler_plugins.budget import (
     FirstTokens,
     PendingPrefill,
     StepPlan,
+    WaitingPrompt,
     admission_chunk,
     deadline_chunk,
     deadline_order,
@@ -23,6 +24,7 @@ from scheduler_plugins.budget import (
     prefill_chunk,
     step_limit_s,
     tpot_limit_s,
+    urgent_count,
 )
 from scheduler_plugins.cost_model import CostModel, StepShape
 
@@ -479,3 +481,42 @@ def test_partial_share_keeps_the_floor_and_each_admitted_prompt_whole() -> None:
             prefixes = [prompts[:n] for n in range(len(prompts) + 1)]
             taken = next(p for p in prefixes if sum(p) == chunk - share)
             assert all(tokens <= share for tokens in taken)
+
+
+def _urgent(waiting: list[WaitingPrompt], under_way_left_s: float, cap: int = 2048) -> int:
+    """``urgent_count`` beside 4 decodes under ``LAW``: a step with a c-token chunk takes 24 + c ms."""
+    return urgent_count(CostModel(LAW), _plan(decodes=4, cap=cap), waiting, under_way_left_s, 32, 32)
+
+
+def test_a_prompt_due_before_the_prefill_under_way_is_urgent_and_one_due_after_is_not() -> None:
+    """Admitting 32 tokens beside the 32-token minimum: a 64-token chunk, 88 ms."""
+    assert _urgent([WaitingPrompt(32, 1.0)], under_way_left_s=10.0) == 1
+    assert _urgent([WaitingPrompt(32, 1.0)], under_way_left_s=0.5) == 0
+
+
+def test_once_the_prefill_under_way_is_late_every_prompt_that_can_be_on_time_is_urgent() -> None:
+    """Its first token is late whatever happens now: a prompt that can still be on time does not wait for its
+    whole prompt (a new stream's short prompt waited 3.7 s so on one CPU)."""
+    assert _urgent([WaitingPrompt(32, 1.0), WaitingPrompt(32, 60.0)], under_way_left_s=-1.0) == 2
+
+
+def test_a_prompt_that_is_late_or_would_be_late_anyway_is_not_urgent() -> None:
+    """Late already, or its step (88 ms) would end after its deadline: admitting it would only stretch the
+    decodes' step. The count stops there (the engine takes waiting prompts in queue order)."""
+    assert _urgent([WaitingPrompt(32, -0.1), WaitingPrompt(32, 1.0)], under_way_left_s=-1.0) == 0
+    assert _urgent([WaitingPrompt(32, 0.087)], under_way_left_s=-1.0) == 0
+    assert _urgent([WaitingPrompt(32, 0.089)], under_way_left_s=-1.0) == 1
+
+
+def test_a_long_prompt_behind_a_short_one_is_admitted_only_if_the_step_keeps_both_deadlines() -> None:
+    """The long one admitted too: 2032 tokens beside a share as large as it, a 4064-token chunk, 4.1 s
+    (cap 8192): past the short prompt's 1 s and the long one's own 3 s."""
+    short, long = WaitingPrompt(32, 1.0), WaitingPrompt(2000, 3.0)
+    assert _urgent([short, long], under_way_left_s=-1.0, cap=8192) == 1
+    assert _urgent([short, WaitingPrompt(2000, 5.0)], under_way_left_s=-1.0, cap=8192) == 1  # the short's 1 s
+    assert _urgent([WaitingPrompt(32, 5.0), WaitingPrompt(2000, 5.0)], under_way_left_s=-1.0, cap=8192) == 2
+
+
+def test_urgent_prompts_must_fit_the_room_the_cap_leaves() -> None:
+    """Cap 90, 4 decodes: room for 86 tokens; one 32-token prompt takes 64 (with the minimum), two 96."""
+    assert _urgent([WaitingPrompt(32, 9.0), WaitingPrompt(32, 9.0)], under_way_left_s=-1.0, cap=90) == 1
