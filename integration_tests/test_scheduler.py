@@ -373,7 +373,8 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
     test beside two CPU hogs, saw the long prompt's first token 7 s after it was sent, while the log showed its
     57 chunks planned within a second of it, beside all 4 streams; the streams had meanwhile finished, which
     the test then took for streams that ended before the prefill). The streams ask for more tokens than the
-    prefill takes steps and are cancelled (vLLM aborts them) once the long prompt is answered.
+    prefill takes steps and are cancelled (vLLM aborts them) once the long prompt is answered, and the test
+    ends when the server holds no request.
     """
     since = _log_size(servers["ours"])
     decode_times: list[list[float]] = [[] for _ in range(4)]
@@ -398,6 +399,11 @@ def test_long_prompt_completes_under_constant_decode_load(servers: dict[str, Man
                 for d in decodes:
                     d.cancel()
                 await asyncio.gather(*decodes, return_exceptions=True)
+                # As ``_beside_a_stream`` does: streams vLLM has not aborted yet would slow later tests.
+                url = base_url(servers["ours"])
+                await asyncio.to_thread(
+                    wait_until, lambda: blocks_idle(url), 120, "the cancelled streams gone"
+                )
             return long_ids
 
     assert len(asyncio.run(run())) == 4
