@@ -263,9 +263,8 @@ def test_a_short_prompt_that_can_be_on_time_is_answered_before_the_prefill_under
     prefilled in ~94 ITL-sized chunks. A short prompt sent meanwhile (a 60 s TTFT target) is admitted beside
     it (``budget.urgent_count``, ``budget.admission_chunk``) and answered while the long prompt is still
     prefilling, both when it is due first (the long prompt's target is an hour) and when the long prompt's
-    deadline has passed (a 1 ms target: before, the short prompt then waited for the whole long prompt, as a
-    new stream's did for 3.7 s in the scheduler benchmark); without admission it waits, as it does with
-    ``ttft_aware_chunks`` off. Judged by the order in which one client receives the two answers' tokens, not
+    deadline has passed (a 1 ms target: before ``urgent_count``, the short prompt then waited for the whole
+    long prompt); without admission it waits, as it does with ``ttft_aware_chunks`` off. Judged by the order in which one client receives the two answers' tokens, not
     by times.
 
     The short prompt must reach the server while the long one still has steps to go: a try is judged only

@@ -259,8 +259,7 @@ def urgent_count(
 
     A prompt is urgent when it is due before the prefill under way, or whenever that prefill's own deadline
     has passed (its first token is late whatever happens now, and a prompt that can still be on time should
-    not wait for all of it: on one CPU a new stream's short prompt waited 3.7 s behind a late 2000-token
-    prompt). It must not be late itself, and the step that admits it (with the urgent prompts before it) must
+    not wait for all of it). It must not be late itself, and the step that admits it (with the urgent prompts before it) must
     be predicted to end within its time left: a prompt that would miss its deadline anyway would only
     stretch the decodes' step. The first prompt that is not urgent ends the count (the engine takes waiting
     prompts in queue order).

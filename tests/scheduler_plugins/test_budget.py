@@ -496,7 +496,7 @@ def test_a_prompt_due_before_the_prefill_under_way_is_urgent_and_one_due_after_i
 
 def test_once_the_prefill_under_way_is_late_every_prompt_that_can_be_on_time_is_urgent() -> None:
     """Its first token is late whatever happens now: a prompt that can still be on time does not wait for its
-    whole prompt (a new stream's short prompt waited 3.7 s so on one CPU)."""
+    whole prompt."""
     assert _urgent([WaitingPrompt(32, 1.0), WaitingPrompt(32, 60.0)], under_way_left_s=-1.0) == 2
 
 
