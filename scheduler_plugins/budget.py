@@ -249,7 +249,7 @@ class WaitingPrompt:
 def urgent_count(
     model: CostModel,
     plan: StepPlan,
-    waiting: Sequence[WaitingPrompt],
+    waiting: Iterable[WaitingPrompt],
     under_way_time_left_s: float,
     min_chunk: int,
     align: int,
@@ -259,21 +259,23 @@ def urgent_count(
 
     A prompt is urgent when it is due before the prefill under way, or whenever that prefill's own deadline
     has passed (its first token is late whatever happens now, and a prompt that can still be on time should
-    not wait for all of it). It must not be late itself, and the step that admits it (with the urgent prompts before it) must
-    be predicted to end within its time left: a prompt that would miss its deadline anyway would only
-    stretch the decodes' step. The first prompt that is not urgent ends the count (the engine takes waiting
-    prompts in queue order).
+    not wait for all of it). It must not be late itself, and the step that admits it (with the urgent
+    prompts before it) must be predicted to end within the time left of each of them: a prompt that would
+    miss its deadline anyway would only stretch the decodes' step. The first prompt that is not urgent ends
+    the count (the engine takes waiting prompts in queue order), and ``waiting`` is read no further.
     """
     room = plan.max_step_tokens - plan.decodes
     prompts: list[int] = []
+    least_left_s = math.inf  # the tightest deadline among the prompts counted so far
     for w in waiting:
         if w.time_left_s <= 0 or 0 < under_way_time_left_s <= w.time_left_s:
             break
         prompts.append(w.tokens)
+        least_left_s = min(least_left_s, w.time_left_s)
         chunk = admission_chunk(prompts, min_chunk, align, room)
         if partial_share(chunk, prompts, min_chunk) != chunk - sum(prompts):
             return len(prompts) - 1  # the room cannot hold them all
-        if model.predict(plan.shape(chunk)) > min(p.time_left_s for p in waiting[: len(prompts)]):
+        if model.predict(plan.shape(chunk)) > least_left_s:
             return len(prompts) - 1
     return len(prompts)
 

@@ -310,7 +310,7 @@ class SLOScheduler(Scheduler):
         count = urgent_count(
             self.cost_model,
             plan,
-            [WaitingPrompt(compat.pending_tokens(r), self._time_left_s(r, now)) for r in candidates],
+            (WaitingPrompt(compat.pending_tokens(r), self._time_left_s(r, now)) for r in candidates),
             self._time_left_s(under_way, now),
             self._min_chunk,
             self._align,
