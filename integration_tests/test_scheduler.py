@@ -30,7 +30,7 @@ from tests.polling import wait_until, wait_until_async
 
 BUDGET_LINE = re.compile(
     r"SLOScheduler budget: itl_target_ms=(?P<target>[\d.]+) chunk=(?P<chunk>\d+) budget=(?P<budget>\d+) "
-    r".*? decodes=(?P<decodes>\d+) predicted_ms=\S+ limit_ms=(?P<limit>[\d.]+|inf)"
+    r".*? waiting=(?P<waiting>\d+) decodes=(?P<decodes>\d+) predicted_ms=\S+ limit_ms=(?P<limit>[\d.]+|inf)"
 )
 # uvicorn's access line for a completion request: written as its response starts, just before vLLM's streaming
 # generator hands the request to the engine.
@@ -139,9 +139,13 @@ async def _beside_a_stream(
         await asyncio.to_thread(wait_until, lambda: blocks_idle(url), 120, "the cancelled stream gone")
 
 
-def _tries_beside(attempt: Callable[[int], T | None]) -> T:
+def _tries_beside(
+    attempt: Callable[[int], T | None],
+    missed: str = "the prompt never reached the engine while the stream decoded",
+) -> T:
     """Run ``attempt(seed_offset)`` until a try's prompt reached the engine while the stream decoded (it
-    returns what the test judges), at most ``ATTEMPTS`` times, each with new prompts; None means it did not.
+    returns what the test judges), at most ``ATTEMPTS`` times, each with new prompts; None means it did not
+    (``missed`` says what, for a test whose prompts must meet something else).
 
     The client cannot make sure of that: vLLM's API server shares the engine's core and has handed a
     2000-token stream's first tokens out only after the engine had finished it (a full module run), taken a
@@ -151,7 +155,7 @@ def _tries_beside(attempt: Callable[[int], T | None]) -> T:
         result = attempt(n * TRY_SEED_STRIDE)
         if result is not None:
             return result
-    raise AssertionError(f"in {ATTEMPTS} tries the prompt never reached the engine while the stream decoded")
+    raise AssertionError(f"in {ATTEMPTS} tries {missed}")
 
 
 class BudgetLine(NamedTuple):
@@ -162,6 +166,7 @@ class BudgetLine(NamedTuple):
     budget: int  # the step's token budget: its decodes' tokens first, then the chunk
     decodes: int  # decode tokens running in the step
     limit_ms: float  # how long the step may take: the ITL target's limit, or less for a TPOT target
+    waiting: int  # prompts waiting behind the chunk's owner
 
 
 def _budget_lines(server: ManagedServer, since: int) -> list[BudgetLine]:
@@ -171,7 +176,12 @@ def _budget_lines(server: ManagedServer, since: int) -> list[BudgetLine]:
 def _budget_lines_in(text: str) -> list[BudgetLine]:
     return [
         BudgetLine(
-            float(m["target"]), int(m["chunk"]), int(m["budget"]), int(m["decodes"]), float(m["limit"])
+            float(m["target"]),
+            int(m["chunk"]),
+            int(m["budget"]),
+            int(m["decodes"]),
+            float(m["limit"]),
+            int(m["waiting"]),
         )
         for m in BUDGET_LINE.finditer(text)
     ]
@@ -227,6 +237,71 @@ def test_a_prompt_with_no_decode_beside_it_is_prefilled_in_one_step(
     lines = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 6]
     assert len(lines) == 1, f"the lone prompt was planned in {len(lines)} steps: {lines}"
     assert lines[0].decodes == 0 and lines[0].chunk >= 900 and lines[0].budget >= 900
+
+
+@pytest.mark.parametrize("short_first", [True, False], ids=["short-first", "long-first"])
+def test_a_short_prompt_pending_beside_a_lone_long_one_starts_in_a_short_step(
+    servers: dict[str, ManagedServer], short_first: bool
+) -> None:
+    """No stream runs; a 48-token prompt and a 2010-token one are pending at once (one request with both
+    prompts, in either order). A whole-cap step (2048 tokens) would give the short prompt its first token
+    only with the long one's (or a step later, its rest cut by the cap). The step keeps the 60 ms ITL limit
+    instead (``budget.lone_step_chunk``): the short prompt ends in it when first in line, or is admitted
+    whole beside the long one's minimum chunk when second, and its 3 tokens all come before the long
+    prompt's first.
+
+    Both prompts must be waiting at the first step that plans them. Sent to an idle engine, the first was
+    planned alone (a run here, three tries); so they are sent once a lone 1900-token prompt's whole-cap step
+    (one token asked) has been planned, to arrive during it. A try whose first decision for them still saw
+    none waiting behind its first prompt runs again."""
+
+    async def run(offset: int) -> tuple[BudgetLine, list[float], list[float]] | None:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            return await pair(session, offset)
+
+    async def pair(
+        session: aiohttp.ClientSession, offset: int
+    ) -> tuple[BudgetLine, list[float], list[float]] | None:
+        url = base_url(servers["ours"])
+        await asyncio.to_thread(wait_until, lambda: blocks_idle(url), 60, "the server idle")
+        since = _log_size(servers["ours"])
+        seed = (70 if short_first else 80) + offset  # each case's own prompts, none in the prefix cache
+        short, long = _prompt(seed, 48), _prompt(seed + 1, 2010)
+        blocker = asyncio.create_task(
+            _complete(session, servers["ours"], _prompt(seed + 2, 1900), 1, {"itl_target_ms": 61})
+        )
+        await wait_until_async(
+            lambda: any(line.target_ms == 61 for line in _budget_lines(servers["ours"], since)),
+            60,
+            "the blocker's step planned",
+        )
+        prompts = [short, long] if short_first else [long, short]
+        body = token_stream_body(servers["ours"].argv[servers["ours"].argv.index("serve") + 1], [], 3)
+        body.update(prompt=prompts, vllm_xargs={"itl_target_ms": 60, "ttft_target_ms": 3_600_000})
+        times: dict[int, list[float]] = {0: [], 1: []}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                if raw.startswith(b"data: {"):
+                    for choice in json.loads(raw[6:])["choices"]:
+                        times[choice["index"]].extend([time.perf_counter()] * len(choice["token_ids"] or []))
+        assert len((await blocker)[0]) == 1
+        lines = [line for line in _budget_lines(servers["ours"], since) if line.target_ms == 60]
+        if not lines or lines[0].waiting == 0:
+            return None
+        short_times, long_times = (times[0], times[1]) if short_first else (times[1], times[0])
+        return lines[0], short_times, long_times
+
+    first, short_times, long_times = _tries_beside(
+        lambda offset: asyncio.run(run(offset)), "the engine never had both prompts waiting at once"
+    )
+    limit_ms = round(60 * SchedulerSettings().headroom, 1)
+    assert first.decodes == 0 and first.limit_ms == limit_ms, f"a whole-cap step, not a short one: {first}"
+    assert first.budget < 2010, first
+    assert len(short_times) == 3 and len(long_times) == 3
+    assert short_times[-1] < long_times[0], (
+        "the short prompt's answer waited for the long prompt's first token"
+    )
 
 
 def test_a_prompt_whose_ttft_target_the_itl_chunks_would_miss_gets_larger_chunks(

@@ -12,7 +12,8 @@ Guarantees the tests check:
   exceed the target: every pending prefill makes progress each step, so nothing starves; and when that
   minimum is over the target, the chunk is the largest predicted within ``lost_slack`` of its step time;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
-- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room;
+- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room, unless a
+  second pending prompt can get its first token from a step within the ITL limit (``lone_step_chunk``);
 - with TPOT targets, the step's time limit is also at most what every decode's mean gap can afford
   (``tpot_limit_s``);
 - ``deadline_chunk`` is the smallest aligned chunk with which the pending prefills, one after another, are
@@ -159,6 +160,42 @@ def prefill_chunk(
     if lo == room // align and room % align and model.predict(plan.shape(room)) <= limit_s:
         return room  # the whole room fits: the cap, not the alignment, bounds the chunk
     return min(room, max(lo * align, min_chunk))
+
+
+def lone_step_chunk(
+    model: CostModel,
+    plan: StepPlan,
+    first: int,
+    behind: int,
+    limit_s: float,
+    min_chunk: int,
+    align: int,
+    admits_beside: bool,
+) -> int:
+    """The chunk of a step with no decode in it that gives a second pending prompt its first token within
+    ``limit_s`` (the ITL limit); 0 when no such step does, and the prefill first in line then takes the whole
+    room (``step_limit_s``). ``first``: the tokens the step's first prefill still has to compute; ``behind``:
+    the whole prompt waiting next in serving order (0: none). Either ``first`` ends within such a step (the
+    chunk is its rest; the engine gives what the chunk leaves to the prompt behind), or, where the engine
+    admits a waiting prompt beside the first with a per-request cap (``admits_beside``: vLLM's
+    ``partial_share``), ``behind`` is admitted whole beside the minimum chunk (``admission_chunk``).
+
+    Why: with nothing decoding a step has no gap to keep short, so it takes the whole cap; but every prompt in
+    it gets its first token only at its end. With a short prompt and a long one pending at once (a new
+    stream's prompt and a document, either first), a whole-cap step of seconds holds the short prompt's first
+    token as long, where a step of the ITL size starts it, and its decodes then size the long prompt's
+    chunks as beside any stream. When neither prompt can start within the limit, chunking would only slow
+    both: none is started sooner.
+    """
+    room = plan.max_step_tokens - plan.decodes
+    if plan.decodes or first <= 0 or behind <= 0 or room <= 0:
+        return 0
+    if first <= room and model.predict(plan.shape(first)) <= limit_s:
+        return first
+    if not admits_beside:
+        return 0
+    chunk = admission_chunk([behind], min_chunk, align, room)
+    return chunk if chunk and model.predict(plan.shape(chunk)) <= limit_s else 0
 
 
 # How many pending prefills, in serving order, the adapters pass to ``deadline_chunk``: those further back are

@@ -45,6 +45,7 @@ from scheduler_plugins.budget import (
     StepPlan,
     deadline_chunk,
     explain,
+    lone_step_chunk,
     prefill_chunk,
     step_limit_s,
     tpot_limit_s,
@@ -128,8 +129,20 @@ class SLOChunker:
             max_step_tokens=self.engine_cap,
         )
         itl_limit_s = target_ms / 1e3 * self.slo.headroom
+        # SGLang fills a step's chunk in queue order with no per-request cap: only a first prompt that ends
+        # within a short step can leave the rest of it to the prompt behind.
+        lone = lone_step_chunk(
+            self.cost_model,
+            plan,
+            view.pending[0].remaining,
+            view.pending[1].remaining if len(view.pending) > 1 else 0,
+            itl_limit_s,
+            self.min_chunk,
+            self.align,
+            admits_beside=False,
+        )
         limit_s = min(
-            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill),
+            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0),
             tpot_limit_s(
                 self._decode_tracks(view.decodes, now),
                 self.cost_model.predict(plan.shape(0)),
@@ -141,6 +154,7 @@ class SLOChunker:
                 self.cost_model, plan, limit_s, self.align, self.min_chunk, self.slo.lost_target_slack
             ),
             self._deadline_chunk(plan, view),
+            lone,
         )
         self.last_chunk = chunk
         self.judge.judge(self.cost_model, plan, self.min_chunk, itl_limit_s, target_ms, now)

@@ -9,7 +9,8 @@ copy vLLM's scheduling loop; it sets the loop's inputs before delegating to it:
   (on a decode node remote KV loads wait first).
 - ``self.max_num_scheduled_tokens`` (the step's token budget) becomes decode tokens + the chunk chosen by
   ``budget.prefill_chunk``, raised to the pending prefills' TTFT deadlines (``budget.deadline_chunk``,
-  ``budget.admission_chunk``), + one token per remote KV load waiting in decode mode, and the private copy of
+  ``budget.admission_chunk``) or to start a second prompt in a step with no decode
+  (``budget.lone_step_chunk``), + one token per remote KV load waiting in decode mode, and the private copy of
   the scheduler config gets ``long_prefill_token_threshold = chunk``, so one prefill cannot take the decodes'
   share or the remote loads' reserve.
 - each step's cost is fed to the cost model with the step's shape: by default its whole cycle, from the
@@ -54,6 +55,7 @@ from scheduler_plugins.budget import (
     deadline_chunk,
     deadline_order,
     explain,
+    lone_step_chunk,
     partial_share,
     prefill_chunk,
     step_limit_s,
@@ -230,6 +232,8 @@ class SLOScheduler(Scheduler):
         remote = [r for r in waiting if compat.is_remote_kv(r)] if self.slo.mode is Mode.DECODE else []
         local_waiting = [r for r in waiting if not compat.is_remote_kv(r)] if remote else waiting
         candidate = prefills[0] if prefills else (local_waiting[0] if local_waiting else None)
+        # The waiting prompts the engine takes after the chunk's owner, in queue order.
+        behind = local_waiting if prefills else local_waiting[1:]
         decode_tokens = sum(compat.pending_tokens(r) for r in decodes)
         reserve = len(remote)
         if candidate is None:
@@ -251,8 +255,22 @@ class SLOScheduler(Scheduler):
             max_step_tokens=self._engine_cap,
         )
         itl_limit_s = target_ms / 1e3 * self.slo.headroom
+        lone = (
+            lone_step_chunk(
+                self.cost_model,
+                plan,
+                compat.pending_tokens(candidate),
+                compat.pending_tokens(behind[0]) if behind else 0,
+                itl_limit_s,
+                self._min_chunk,
+                self._align,
+                admits_beside=True,
+            )
+            if self.slo.admit_during_prefill
+            else 0
+        )
         limit_s = min(
-            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill),
+            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0),
             tpot_limit_s(
                 self._decode_tracks(decodes), self.cost_model.predict(plan.shape(0)), self.slo.headroom
             ),
@@ -261,36 +279,38 @@ class SLOScheduler(Scheduler):
             prefill_chunk(
                 self.cost_model, plan, limit_s, self._align, self._min_chunk, self.slo.lost_target_slack
             ),
-            self._deadline_chunk(plan, prefills, local_waiting),
+            self._deadline_chunk(plan, prefills or [candidate], behind),
+            lone,
         )
         self.judge.judge(self.cost_model, plan, self._min_chunk, itl_limit_s, target_ms, time.monotonic())
         budget = min(self._engine_cap, decode_tokens + reserve + chunk)
-        # A prefill under way leaves room in its step for waiting prompts that fit (a new stream's prompt).
+        # The chunk's owner leaves room in its step for waiting prompts that fit (a new stream's prompt).
         share = (
-            partial_share(chunk, (compat.pending_tokens(r) for r in local_waiting), self._min_chunk)
-            if prefills and self.slo.admit_during_prefill
+            partial_share(chunk, (compat.pending_tokens(r) for r in behind), self._min_chunk)
+            if self.slo.admit_during_prefill
             else chunk
         )
         threshold = min(share, self._user_long_prefill) if self._user_long_prefill else share
         self._set_budget(max(1, budget), max(1, threshold))
-        self._log_budget(target_ms, chunk, share, plan, limit_s)
+        self._log_budget(target_ms, chunk, share, len(behind), plan, limit_s)
         return True
 
-    def _deadline_chunk(self, plan: StepPlan, prefills: list[Request], waiting: list[Request]) -> int:
+    def _deadline_chunk(self, plan: StepPlan, head: list[Request], behind: list[Request]) -> int:
         """The chunk with which the pending prefills are predicted to end by their TTFT deadlines, and with
-        which urgent waiting prompts (``budget.urgent_count``) are admitted beside the prefill under way now
+        which urgent waiting prompts (``budget.urgent_count``) are admitted beside the chunk's owner now
         (with ``admit_during_prefill``; 0: the ITL target alone decides; ``ttft_aware_chunks`` off, or every
-        deadline is lost anyway).
+        deadline is lost anyway). ``head``: the prefills under way, or else the first waiting prompt (the
+        chunk's owner); ``behind``: the waiting prompts after it.
 
-        The floor sees the prefills in the order the engine will serve them: those urgent prompts, the
-        prefills under way, then the rest of the queue, the first ``FLOOR_LOOKAHEAD`` of them.
+        The floor sees the prefills in the order the engine will serve them: those urgent prompts, the head,
+        then the rest of the queue, the first ``FLOOR_LOOKAHEAD`` of them.
         """
         if not self.slo.ttft_aware_chunks:
             return 0
         now = time.time()
-        admit = prefills and self.slo.admit_during_prefill  # partial_share admits them (_plan_step)
-        urgent = self._urgent(plan, prefills[0], waiting, now) if admit else []
-        order = [*urgent, *prefills, *waiting[len(urgent) :]][:FLOOR_LOOKAHEAD]
+        admit = self.slo.admit_during_prefill  # partial_share admits them (_plan_step)
+        urgent = self._urgent(plan, head[0], behind, now) if admit else []
+        order = [*urgent, *head, *behind[len(urgent) :]][:FLOOR_LOOKAHEAD]
         pending = [
             PendingPrefill(compat.pending_tokens(r), compat.computed_tokens(r), self._time_left_s(r, now))
             for r in order
@@ -301,17 +321,16 @@ class SLOScheduler(Scheduler):
             admission_chunk((compat.pending_tokens(r) for r in urgent), self._min_chunk, self._align, room),
         )
 
-    def _urgent(
-        self, plan: StepPlan, under_way: Request, waiting: list[Request], now: float
-    ) -> list[Request]:
-        """The leading waiting requests (deadline order) to admit beside the prefill under way now rather than
-        after its whole prompt (``budget.urgent_count``)."""
+    def _urgent(self, plan: StepPlan, owner: Request, waiting: list[Request], now: float) -> list[Request]:
+        """The leading waiting requests (deadline order) to admit beside the chunk's owner (the prefill under
+        way, or else the first waiting prompt) now rather than after its whole prompt
+        (``budget.urgent_count``)."""
         candidates = waiting[:FLOOR_LOOKAHEAD]
         count = urgent_count(
             self.cost_model,
             plan,
             (WaitingPrompt(compat.pending_tokens(r), self._time_left_s(r, now)) for r in candidates),
-            self._time_left_s(under_way, now),
+            self._time_left_s(owner, now),
             self._min_chunk,
             self._align,
         )
@@ -325,7 +344,9 @@ class SLOScheduler(Scheduler):
         compat.set_token_budget(self, budget, long_prefill_threshold)
         self.current_budget = budget
 
-    def _log_budget(self, target_ms: float, chunk: int, share: int, plan: StepPlan, limit_s: float) -> None:
+    def _log_budget(
+        self, target_ms: float, chunk: int, share: int, waiting: int, plan: StepPlan, limit_s: float
+    ) -> None:
         now = time.monotonic()
         changed = target_ms != self._last_target_ms
         if not changed and now - self._last_log < self.slo.log_interval_s:
@@ -341,11 +362,12 @@ class SLOScheduler(Scheduler):
                 waited * 100,
             )
         logger.info(
-            "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d under_way=%d %s %s",
+            "SLOScheduler budget: itl_target_ms=%g chunk=%d budget=%d under_way=%d waiting=%d %s %s",
             target_ms,
             chunk,
             self.current_budget,
             share,
+            waiting,
             explain(self.cost_model, plan, chunk, limit_s),
             self._stats.summary(),
         )

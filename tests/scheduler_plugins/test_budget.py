@@ -20,6 +20,7 @@ from scheduler_plugins.budget import (
     admission_chunk,
     deadline_chunk,
     deadline_order,
+    lone_step_chunk,
     partial_share,
     prefill_chunk,
     step_limit_s,
@@ -137,6 +138,47 @@ def test_a_prefill_with_no_decode_beside_it_takes_the_whole_room() -> None:
     # Opted out: the lone prefill is chunked to the ITL limit (20 + chunk ms <= 85 ms -> 64).
     chunked = step_limit_s(plan, 0.085, chunk_lone_prefill=True)
     assert prefill_chunk(CostModel(LAW), plan, limit_s=chunked, align=32, min_chunk=32) == 64
+
+
+def test_a_lone_step_is_short_when_a_second_prompt_can_start_within_the_limit() -> None:
+    """No decode, limit 85 ms (20 ms + 1 ms per token): a first prompt of 65 tokens ends within it (its rest
+    is the chunk), one of 66 does not; then a 16-token prompt behind is admitted beside the 32-token
+    minimum (64 aligned: 84 ms), a 33-token one needs 96 (116 ms): none, so the whole room stands."""
+    model, plan = CostModel(LAW), _plan(decodes=0)
+
+    def lone(first: int, behind: int, admits_beside: bool = True, at: StepPlan = plan) -> int:
+        return lone_step_chunk(model, at, first, behind, 0.085 + 1e-12, 32, 32, admits_beside)
+
+    assert lone(65, 2000) == 65 and lone(48, 1) == 48
+    assert lone(66, 16) == 64 and lone(2000, 17) == 64
+    assert lone(2000, 33) == 0
+    # Nothing behind, a decode in the step (the ITL limit holds anyway), or an engine that cannot admit a
+    # waiting prompt beside the first (SGLang): no short step for the prompt behind.
+    assert lone(48, 0) == 0 and lone(48, 16, at=_plan(decodes=1)) == 0
+    assert lone(2000, 16, admits_beside=False) == 0 and lone(48, 2000, admits_beside=False) == 48
+    # The room must hold the first prompt's rest, or the prompt behind beside the minimum (the room, when
+    # that is less than the aligned size).
+    assert lone(65, 16, at=_plan(decodes=0, cap=60)) == 60
+    assert lone(50, 16, at=_plan(decodes=0, cap=40)) == 0
+
+
+@given(
+    first=st.integers(1, 3000),
+    behind=st.integers(1, 3000),
+    limit_ms=st.integers(1, 400),
+    min_chunk=st.integers(1, 128),
+    align=st.sampled_from([1, 16, 32]),
+)
+def test_a_short_lone_step_starts_a_prompt_within_the_limit(
+    first: int, behind: int, limit_ms: int, min_chunk: int, align: int
+) -> None:
+    """Whenever the lone step is short, it is predicted within the limit, and it either ends the first
+    prompt or holds the prompt behind whole beside the first's share (``partial_share`` admits it)."""
+    model, plan = CostModel(LAW), _plan(decodes=0)
+    chunk = lone_step_chunk(model, plan, first, behind, limit_ms / 1e3, min_chunk, align, admits_beside=True)
+    if chunk:
+        assert model.predict(plan.shape(chunk)) <= limit_ms / 1e3
+        assert chunk == first or partial_share(chunk, [behind], min_chunk) == chunk - behind
 
 
 def test_deadline_chunk_spreads_the_rest_evenly_over_the_steps_left() -> None:

@@ -131,6 +131,21 @@ def test_a_prefill_with_no_decode_beside_it_takes_the_whole_cap(
     assert _prefill(scheduler, _running()) == expected
 
 
+@pytest.mark.parametrize(("first", "behind", "expected"), [(48, 1000, 64), (1000, 16, CAP), (48, None, CAP)])
+def test_a_lone_step_is_short_only_when_its_first_prompt_ends_in_it_and_another_waits(
+    monkeypatch: pytest.MonkeyPatch, first: int, behind: int | None, expected: int
+) -> None:
+    """No decode: a 48-token prompt with a long one behind it ends in a step of the ITL size (20 + 64 ms <=
+    85), and the long one takes the rest of it, instead of both waiting for a whole-cap step. A short prompt
+    behind a long one gains nothing from chunking here (SGLang gives the chunk to the first prompt), nor
+    does a prompt alone: the whole cap stands."""
+    scheduler = FakeScheduler()
+    chunker = _started(monkeypatch, scheduler, itl_target_ms="100")
+    chunker.cost_model = CostModel(LAW)
+    scheduler.waiting_queue = [FakeReq(list(range(n))) for n in (first, behind) if n]
+    assert _prefill(scheduler, _running()) == expected
+
+
 @pytest.mark.parametrize(
     ("aware", "ttft_params", "waited_s", "expected"),
     [
