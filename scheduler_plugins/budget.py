@@ -12,8 +12,9 @@ Guarantees the tests check:
   exceed the target: every pending prefill makes progress each step, so nothing starves; and when that
   minimum is over the target, the chunk is the largest predicted within ``lost_slack`` of its step time;
 - otherwise the chunk is the largest aligned size whose predicted step time stays within the target;
-- a step with no decode in it has no time limit (``step_limit_s``), so its chunk is the whole room, unless a
-  second pending prompt can get its first token from a step within the ITL limit (``lone_step_chunk``);
+- a step with no decode in it is held to a share of the TTFT target, not to the ITL target (``step_limit_s``),
+  unless a second pending prompt can get its first token from a step within the ITL limit
+  (``lone_step_chunk``);
 - with TPOT targets, the step's time limit is also at most what every decode's mean gap can afford
   (``tpot_limit_s``);
 - ``deadline_chunk`` is the smallest aligned chunk with which the pending prefills, one after another, are
@@ -52,19 +53,20 @@ class StepPlan:
         )
 
 
-def step_limit_s(plan: StepPlan, itl_limit_s: float, chunk_lone_prefill: bool) -> float:
+def step_limit_s(plan: StepPlan, itl_limit_s: float, chunk_lone_prefill: bool, lone_limit_s: float) -> float:
     """How long the step may take: ``itl_limit_s`` (headroom x the ITL target) when a decode shares it.
 
     With no decode in the step (``plan.decodes == 0``: no stream running and, on a decode node, no remote
-    load waiting) no client is between two tokens, so nothing limits the step and the prefill takes the
-    whole room the engine cap leaves. Chunking a lone prefill to the ITL target only slows it: each chunk
-    pays the step's fixed cost and re-reads the prompt's KV so far (docs/scheduler.md, Budget).
-    ``chunk_lone_prefill`` keeps the ITL limit anyway, for servers where a request arriving mid-prefill must
-    start within one small step.
+    load waiting) no client is between two tokens, so the ITL target does not hold it: chunking a lone
+    prefill to it only slows it, each chunk paying the step's fixed cost (docs/scheduler.md, Budget). But a
+    request arriving during the step waits for all of it, so the step is held to ``lone_limit_s`` (a share
+    of the TTFT target, ``SchedulerSettings.lone_step_limit_s``; never below the ITL limit; ``inf``: the
+    whole room the engine cap leaves). ``chunk_lone_prefill`` keeps the ITL limit, for servers where a
+    request arriving mid-prefill must start within one small step.
     """
     if plan.decodes or chunk_lone_prefill:
         return itl_limit_s
-    return math.inf
+    return max(itl_limit_s, lone_limit_s)
 
 
 @dataclass(frozen=True)
@@ -173,19 +175,19 @@ def lone_step_chunk(
     admits_beside: bool,
 ) -> int:
     """The chunk of a step with no decode in it that gives a second pending prompt its first token within
-    ``limit_s`` (the ITL limit); 0 when no such step does, and the prefill first in line then takes the whole
-    room (``step_limit_s``). ``first``: the tokens the step's first prefill still has to compute; ``behind``:
-    the whole prompt waiting next in serving order (0: none). Either ``first`` ends within such a step (the
-    chunk is its rest; the engine gives what the chunk leaves to the prompt behind), or, where the engine
-    admits a waiting prompt beside the first with a per-request cap (``admits_beside``: vLLM's
-    ``partial_share``), ``behind`` is admitted whole beside the minimum chunk (``admission_chunk``).
+    ``limit_s`` (the ITL limit); 0 when no such step does, and the prefill first in line then takes the lone
+    step's larger limit (``step_limit_s``). ``first``: the tokens the step's first prefill still has to
+    compute; ``behind``: the whole prompt waiting next in serving order (0: none). Either ``first`` ends
+    within such a step (the chunk is its rest; the engine gives what the chunk leaves to the prompt behind),
+    or, where the engine admits a waiting prompt beside the first with a per-request cap (``admits_beside``:
+    vLLM's ``partial_share``), ``behind`` is admitted whole beside the minimum chunk (``admission_chunk``).
 
-    Why: with nothing decoding a step has no gap to keep short, so it takes the whole cap; but every prompt in
-    it gets its first token only at its end. With a short prompt and a long one pending at once (a new
-    stream's prompt and a document, either first), a whole-cap step of seconds holds the short prompt's first
-    token as long, where a step of the ITL size starts it, and its decodes then size the long prompt's
-    chunks as beside any stream. When neither prompt can start within the limit, chunking would only slow
-    both: none is started sooner.
+    Why: with nothing decoding a step has no gap to keep short, so it is far longer than the ITL target (up
+    to the whole cap); but every prompt in it gets its first token only at its end. With a short prompt and a
+    long one pending at once (a new stream's prompt and a document, either first), such a step holds the
+    short prompt's first token as long, where a step of the ITL size starts it, and its decodes then size
+    the long prompt's chunks as beside any stream. When neither prompt can start within the limit, chunking
+    would only slow both: none is started sooner.
     """
     room = plan.max_step_tokens - plan.decodes
     if plan.decodes or first <= 0 or behind <= 0 or room <= 0:

@@ -10,6 +10,7 @@ setting, so a misconfigured server fails at start-up instead of scheduling with 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
@@ -66,13 +67,21 @@ class SchedulerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # Steps the cost model must have measured (prefill steps among them) before the scheduler judges
     # whether the target can be held (logged once, then on every change of the verdict).
     verdict_after_steps: Annotated[int, msgspec.Meta(ge=1)] = 32
-    # A prefill with no decode beside it takes the engine's whole cap (budget.step_limit_s says why); True
+    # A prefill with no decode beside it is not held to the ITL target (budget.step_limit_s says why); True
     # chunks it to the ITL target anyway, so a request arriving mid-prefill waits at most one small step.
     chunk_lone_prefill: bool = False
+    # Otherwise such a step takes at most this share of the TTFT target (headroom applied): a prompt arriving
+    # during it waits at most that long before it can start; 0: no limit (the engine's whole cap).
+    lone_step_ttft_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.25
     # Colocated and decode modes: a prefill's chunks grow as far as needed for it to end by its TTFT deadline
     # (arrival + ttft_target_ms), evenly over its remaining steps (budget.deadline_chunk); False: the ITL
     # target alone sizes them, however late the first token gets.
     ttft_aware_chunks: bool = True
+
+    def lone_step_limit_s(self) -> float:
+        """How long a step with no decode in it may take (``lone_step_ttft_share``; ``inf``: no limit)."""
+        share = self.lone_step_ttft_share * self.headroom * self.ttft_target_ms / 1e3
+        return share if share > 0 else math.inf
 
     def chunk_align(self, block_size: int) -> int:
         """Granularity of prefill chunks: the KV block size unless set."""

@@ -142,7 +142,9 @@ class SLOChunker:
             admits_beside=False,
         )
         limit_s = min(
-            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0),
+            step_limit_s(
+                plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0, self.slo.lone_step_limit_s()
+            ),
             tpot_limit_s(
                 self._decode_tracks(view.decodes, now),
                 self.cost_model.predict(plan.shape(0)),
@@ -299,12 +301,13 @@ def init_hook(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     compat.attach(scheduler, chunker)
     logger.info(
         "SLO scheduler on: itl_target_ms=%g headroom=%g chunk_align=%d min_chunk=%d lost_target_slack=%g "
-        "chunked_prefill_size=%d step_time=%s",
+        "lone_step_ms=%g chunked_prefill_size=%d step_time=%s",
         settings.itl_target_ms,
         settings.headroom,
         chunker.align,
         chunker.min_chunk,
         settings.lost_target_slack,
+        settings.lone_step_limit_s() * 1e3,
         chunker.engine_cap,
         settings.step_time.value,
     )

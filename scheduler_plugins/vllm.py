@@ -124,8 +124,8 @@ class SLOScheduler(Scheduler):
         self._first_tokens = FirstTokens()  # time.monotonic(), for the TPOT accounts
         logger.info(
             "SLOScheduler: mode=%s itl_target_ms=%g ttft_target_ms=%g tpot_target_ms=%g headroom=%g "
-            "chunk_align=%d min_chunk=%d lost_target_slack=%g engine_cap=%d step_time=%s engine_cores=%s "
-            "api_server_cores=%s",
+            "chunk_align=%d min_chunk=%d lost_target_slack=%g lone_step_ms=%g engine_cap=%d step_time=%s "
+            "engine_cores=%s api_server_cores=%s",
             self.slo.mode.value,
             self.slo.itl_target_ms,
             self.slo.ttft_target_ms,
@@ -134,6 +134,7 @@ class SLOScheduler(Scheduler):
             self._align,
             self._min_chunk,
             self.slo.lost_target_slack,
+            self.slo.lone_step_limit_s() * 1e3,
             self._engine_cap,
             self.slo.step_time.value,
             _cores(0),
@@ -270,7 +271,9 @@ class SLOScheduler(Scheduler):
             else 0
         )
         limit_s = min(
-            step_limit_s(plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0),
+            step_limit_s(
+                plan, itl_limit_s, self.slo.chunk_lone_prefill or lone > 0, self.slo.lone_step_limit_s()
+            ),
             tpot_limit_s(
                 self._decode_tracks(decodes), self.cost_model.predict(plan.shape(0)), self.slo.headroom
             ),

@@ -127,17 +127,21 @@ def test_target_change_moves_the_budget() -> None:
 
 
 def test_a_step_with_one_decode_keeps_the_itl_limit() -> None:
-    assert step_limit_s(_plan(decodes=1), 0.085, chunk_lone_prefill=False) == 0.085
+    assert step_limit_s(_plan(decodes=1), 0.085, chunk_lone_prefill=False, lone_limit_s=0.5) == 0.085
 
 
-def test_a_prefill_with_no_decode_beside_it_takes_the_whole_room() -> None:
-    """No client is between two tokens: no limit, so the chunk is the room the cap leaves, unaligned."""
-    plan = _plan(decodes=0, cap=1000)
-    limit = step_limit_s(plan, 0.085, chunk_lone_prefill=False)
-    assert prefill_chunk(CostModel(LAW), plan, limit_s=limit, align=32, min_chunk=32) == 1000
+def test_a_prefill_with_no_decode_beside_it_takes_the_lone_limit_or_the_whole_room() -> None:
+    """No client is between two tokens: the lone limit (20 + chunk ms <= 500 ms -> 480), never below the ITL
+    limit; with none, the chunk is the room the cap leaves, unaligned."""
+    plan, model = _plan(decodes=0, cap=1000), CostModel(LAW)
+    limit = step_limit_s(plan, 0.085, chunk_lone_prefill=False, lone_limit_s=0.5)
+    assert limit == 0.5 and prefill_chunk(model, plan, limit_s=limit, align=32, min_chunk=32) == 480
+    assert step_limit_s(plan, 0.085, chunk_lone_prefill=False, lone_limit_s=0.01) == 0.085
+    whole = step_limit_s(plan, 0.085, chunk_lone_prefill=False, lone_limit_s=math.inf)
+    assert prefill_chunk(model, plan, limit_s=whole, align=32, min_chunk=32) == 1000
     # Opted out: the lone prefill is chunked to the ITL limit (20 + chunk ms <= 85 ms -> 64).
-    chunked = step_limit_s(plan, 0.085, chunk_lone_prefill=True)
-    assert prefill_chunk(CostModel(LAW), plan, limit_s=chunked, align=32, min_chunk=32) == 64
+    chunked = step_limit_s(plan, 0.085, chunk_lone_prefill=True, lone_limit_s=0.5)
+    assert prefill_chunk(model, plan, limit_s=chunked, align=32, min_chunk=32) == 64
 
 
 def test_a_lone_step_is_short_when_a_second_prompt_can_start_within_the_limit() -> None:

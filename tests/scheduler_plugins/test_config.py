@@ -41,6 +41,7 @@ def test_other_additional_config_sections_are_ignored() -> None:
         ({"PD_SCHED_ITL_TARGET_MS": "fast"}, None, "itl_target_ms"),
         ({"PD_SCHED_TPOT_TARGET_MS": "-1"}, None, "tpot_target_ms"),
         ({"PD_SCHED_LOST_TARGET_SLACK": "-0.1"}, None, "lost_target_slack"),
+        ({"PD_SCHED_LONE_STEP_TTFT_SHARE": "1.5"}, None, "lone_step_ttft_share"),
         ({"PD_SCHED_TYPO": "1"}, None, "PD_SCHED_TYPO"),
         ({}, {"scheduler_plugins": {"mode": "both"}}, "mode"),
         ({}, {"scheduler_plugins": {"headroom": 1.5}}, "headroom"),
@@ -51,6 +52,13 @@ def test_other_additional_config_sections_are_ignored() -> None:
 def test_bad_values_name_the_setting(env: dict, additional: dict | None, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         load_settings(env, additional)
+
+
+def test_a_lone_step_takes_its_share_of_the_ttft_target() -> None:
+    """0.25 x 0.85 x 2000 ms by default; 0: no limit."""
+    assert SchedulerSettings().lone_step_limit_s() == pytest.approx(0.425)
+    assert SchedulerSettings(ttft_target_ms=1000, headroom=1).lone_step_limit_s() == pytest.approx(0.25)
+    assert SchedulerSettings(lone_step_ttft_share=0).lone_step_limit_s() == float("inf")
 
 
 @pytest.mark.parametrize(

@@ -118,27 +118,37 @@ def test_a_partial_prefill_gets_the_chunk_with_its_depth(monkeypatch: pytest.Mon
     assert shallow is not None and deep is not None and deep < shallow
 
 
-@pytest.mark.parametrize(("chunk_lone", "expected"), [("false", CAP), ("true", 64)])
-def test_a_prefill_with_no_decode_beside_it_takes_the_whole_cap(
-    monkeypatch: pytest.MonkeyPatch, chunk_lone: str, expected: int
+@pytest.mark.parametrize(
+    ("chunk_lone", "share", "expected"), [("false", "0.25", 400), ("false", "0", CAP), ("true", "0.25", 64)]
+)
+def test_a_prefill_with_no_decode_beside_it_takes_the_lone_limit(
+    monkeypatch: pytest.MonkeyPatch, chunk_lone: str, share: str, expected: int
 ) -> None:
-    """No stream is between two tokens, so the ITL target does not chunk it (unless chunk_lone_prefill)."""
+    """No stream is between two tokens, so the ITL target does not chunk it (unless chunk_lone_prefill): the
+    lone step's share of the TTFT target does (0.25 x 0.85 x 2000 ms: 20 + 400 ms), or nothing (share 0:
+    the whole cap)."""
     scheduler = FakeScheduler()
-    chunker = _started(monkeypatch, scheduler, itl_target_ms="100", chunk_lone_prefill=chunk_lone)
+    chunker = _started(
+        monkeypatch,
+        scheduler,
+        itl_target_ms="100",
+        chunk_lone_prefill=chunk_lone,
+        lone_step_ttft_share=share,
+    )
     chunker.cost_model = CostModel(LAW)
     scheduler.waiting_queue = [FakeReq(list(range(1000)))]
-    # 20 + chunk ms <= 85 ms -> 64 (16-token units) when chunked.
+    # 20 + chunk ms <= 85 ms -> 64 (16-token units) when chunked to the ITL target.
     assert _prefill(scheduler, _running()) == expected
 
 
-@pytest.mark.parametrize(("first", "behind", "expected"), [(48, 1000, 64), (1000, 16, CAP), (48, None, CAP)])
+@pytest.mark.parametrize(("first", "behind", "expected"), [(48, 1000, 64), (1000, 16, 400), (48, None, 400)])
 def test_a_lone_step_is_short_only_when_its_first_prompt_ends_in_it_and_another_waits(
     monkeypatch: pytest.MonkeyPatch, first: int, behind: int | None, expected: int
 ) -> None:
     """No decode: a 48-token prompt with a long one behind it ends in a step of the ITL size (20 + 64 ms <=
-    85), and the long one takes the rest of it, instead of both waiting for a whole-cap step. A short prompt
-    behind a long one gains nothing from chunking here (SGLang gives the chunk to the first prompt), nor
-    does a prompt alone: the whole cap stands."""
+    85), and the long one takes the rest of it, instead of both waiting for a lone step of 420 ms (the
+    TTFT target's share). A short prompt behind a long one gains nothing from the ITL size here (SGLang
+    gives the chunk to the first prompt), nor does a prompt alone: the lone step's limit stands."""
     scheduler = FakeScheduler()
     chunker = _started(monkeypatch, scheduler, itl_target_ms="100")
     chunker.cost_model = CostModel(LAW)
