@@ -149,9 +149,7 @@ def prefill_chunk(
     room = plan.max_step_tokens - plan.decodes
     if room <= 0:
         return 0
-    shortest_s = model.predict(plan.shape(min(room, min_chunk)))
-    if shortest_s > limit_s:
-        limit_s = shortest_s * (1 + lost_slack)
+    limit_s = working_limit_s(model, plan, limit_s, min_chunk, lost_slack)
     lo, hi = 0, room // align  # lo: known to fit (0 blocks always "fits": the floor is applied below)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -198,6 +196,17 @@ def lone_step_chunk(
         return 0
     chunk = admission_chunk([behind], min_chunk, align, room)
     return chunk if chunk and model.predict(plan.shape(chunk)) <= limit_s else 0
+
+
+def working_limit_s(
+    model: CostModel, plan: StepPlan, limit_s: float, min_chunk: int, lost_slack: float
+) -> float:
+    """The limit ``prefill_chunk`` sizes the chunk to: ``limit_s``, or, when even the minimum chunk's step is
+    predicted over it (the step's target is lost), that step's time x ``1 + lost_slack``. The adapters log it
+    beside ``limit_s`` on such steps (``explain``), whose ``predicted_ms`` is over ``limit_ms`` by design."""
+    room = plan.max_step_tokens - plan.decodes
+    shortest_s = model.predict(plan.shape(max(0, min(room, min_chunk))))
+    return shortest_s * (1 + lost_slack) if shortest_s > limit_s else limit_s
 
 
 # How many pending prefills, in serving order, the adapters pass to ``deadline_chunk``: those further back are
@@ -354,12 +363,16 @@ def deadline_order(items: Iterable[T], deadline: Callable[[T], float]) -> list[T
     return sorted(items, key=deadline)
 
 
-def explain(model: CostModel, plan: StepPlan, chunk: int, limit_s: float) -> str:
-    """One decision for the server log, in the words both adapters use (integration tests parse the log)."""
+def explain(
+    model: CostModel, plan: StepPlan, chunk: int, limit_s: float, working_s: float | None = None
+) -> str:
+    """One decision for the server log, in the words both adapters use (integration tests parse the log);
+    ``working_s``: the limit the chunk was sized to (``working_limit_s``), shown when the target was lost."""
     a, b, c, d, e = model.coefficients_s
+    lost = f"lost_limit_ms={working_s * 1e3:.1f} " if working_s is not None and working_s > limit_s else ""
     return (
         f"decodes={plan.decodes} predicted_ms={model.predict(plan.shape(chunk)) * 1e3:.1f} "
-        f"limit_ms={limit_s * 1e3:.1f} fit(a_ms={a * 1e3:.2f} b_ms_per_tok={b * 1e3:.4f} "
+        f"limit_ms={limit_s * 1e3:.1f} {lost}fit(a_ms={a * 1e3:.2f} b_ms_per_tok={b * 1e3:.4f} "
         f"c_ms_per_dec={c * 1e3:.3f} d_ns_per_pair={d * 1e9:.3f} e_us_per_depth={e * 1e6:.2f}) "
         f"n={model.observations}"
     )

@@ -49,6 +49,7 @@ from scheduler_plugins.budget import (
     prefill_chunk,
     step_limit_s,
     tpot_limit_s,
+    working_limit_s,
 )
 from scheduler_plugins.config import (
     ITL_TARGET_ARG,
@@ -250,7 +251,13 @@ class SLOChunker:
             "SLO scheduler chunk: itl_target_ms=%g chunk=%d %s %s",
             target_ms,
             chunk,
-            explain(self.cost_model, plan, chunk, limit_s),
+            explain(
+                self.cost_model,
+                plan,
+                chunk,
+                limit_s,
+                working_limit_s(self.cost_model, plan, limit_s, self.min_chunk, self.slo.lost_target_slack),
+            ),
             self._stats.summary(),
         )
 

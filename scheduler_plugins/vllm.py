@@ -61,6 +61,7 @@ from scheduler_plugins.budget import (
     step_limit_s,
     tpot_limit_s,
     urgent_count,
+    working_limit_s,
 )
 from scheduler_plugins.config import (
     ITL_TARGET_ARG,
@@ -371,7 +372,13 @@ class SLOScheduler(Scheduler):
             self.current_budget,
             share,
             waiting,
-            explain(self.cost_model, plan, chunk, limit_s),
+            explain(
+                self.cost_model,
+                plan,
+                chunk,
+                limit_s,
+                working_limit_s(self.cost_model, plan, limit_s, self._min_chunk, self.slo.lost_target_slack),
+            ),
             self._stats.summary(),
         )
 

@@ -20,12 +20,14 @@ from scheduler_plugins.budget import (
     admission_chunk,
     deadline_chunk,
     deadline_order,
+    explain,
     lone_step_chunk,
     partial_share,
     prefill_chunk,
     step_limit_s,
     tpot_limit_s,
     urgent_count,
+    working_limit_s,
 )
 from scheduler_plugins.cost_model import CostModel, StepShape
 
@@ -66,6 +68,19 @@ def test_a_lost_step_takes_the_largest_chunk_within_the_slack_of_the_minimum() -
     assert prefill_chunk(model, _plan(), limit_s=0.050, align=32, min_chunk=32, lost_slack=0.0) == 32
     # A limit the minimum chunk meets is the limit, whatever the slack: 104 + 0.1 x 64 = 110.4 ms.
     assert prefill_chunk(model, _plan(), limit_s=0.1105, align=32, min_chunk=32, lost_slack=0.1) == 64
+
+
+def test_a_lost_step_logs_the_limit_its_chunk_was_sized_to() -> None:
+    """The 32-token minimum's 107.2 ms x 1.1 = 117.92 ms, beside the 50 ms limit (the line's predicted_ms is
+    over limit_ms by design); a limit the minimum meets is the working limit, and the line says nothing
+    more."""
+    model = CostModel((0.100, 1e-4, 1e-3, 0.0))
+    assert working_limit_s(model, _plan(), 0.050, 32, 0.1) == pytest.approx(0.11792)
+    assert working_limit_s(model, _plan(), 0.1105, 32, 0.1) == 0.1105
+    lost = explain(model, _plan(), 128, 0.050, working_limit_s(model, _plan(), 0.050, 32, 0.1))
+    assert "predicted_ms=116.8 limit_ms=50.0 lost_limit_ms=117.9 fit(" in lost
+    held = explain(model, _plan(), 64, 0.1105, working_limit_s(model, _plan(), 0.1105, 32, 0.1))
+    assert "limit_ms=110.5 fit(" in held and "lost_limit_ms" not in held
 
 
 @given(
