@@ -249,10 +249,9 @@ def test_a_short_prompt_pending_beside_a_lone_long_one_starts_in_a_short_step(
     """No stream runs; a 48-token prompt and a 2010-token one are pending at once (one request with both
     prompts, in either order). A lone step (up to a quarter of the TTFT target, 425 ms: most of the long
     prompt here) would give the short prompt its first token only with the long one's, or about as late.
-    The step keeps the 60 ms ITL limit
-    instead (``budget.lone_step_chunk``): the short prompt ends in it when first in line, or is admitted
-    whole beside the long one's minimum chunk when second, and its 3 tokens all come before the long
-    prompt's first.
+    The step keeps the 60 ms ITL limit instead (``budget.lone_step_chunk``): the short prompt ends in it
+    when first in line, or is admitted whole beside the long one's minimum chunk when second, and its 3
+    tokens all come before the long prompt's first.
 
     Both prompts must be waiting at the first step that plans them. Sent to an idle engine, the first was
     planned alone (a run here, three tries); so they are sent once a lone 1200-token prompt's one step
