@@ -18,6 +18,7 @@ Reported per configuration (all from the measurement window, after a warm-up lon
 - ``itl_p99``: p99 of all gaps; ``ttft_long_p50``: median TTFT of the long prompts;
 - ``ttft_stream_max``: the longest wait of a decode stream (started in the window) for its first token: a
   scheduler that kept new streams out during a long prefill would show it here, not in the gaps;
+  ``ttft_stream_p90``: the 90th percentile of those waits (a maximum over one run hangs on one coincidence);
 - ``throughput``: generated tokens per second (decode streams and long prompts);
 - ``cpu_share``: CPU seconds per second of the server's processes over the window (``api_server``: vLLM's
   front end; the others by process name, e.g. ``VLLM::EngineCor`` (the scheduler's process) and
@@ -204,6 +205,7 @@ def summarize(streams: list[Stream], start: float, end: float) -> dict[str, Any]
         "itl_p50_ms": float(np.percentile(values, 50) * 1e3),
         "ttft_long_p50_ms": statistics.median(w1 - w0 for w0, w1 in windows) * 1e3,
         "ttft_stream_max_ms": max(short_ttfts, default=float("nan")) * 1e3,
+        "ttft_stream_p90_ms": float(np.percentile(short_ttfts, 90) * 1e3) if short_ttfts else float("nan"),
         "long_prompts": len(windows),
         "throughput_tok_s": tokens / (end - start),
         "gaps": [[b - start, g * 1e3] for _, b, g in gaps],
@@ -270,7 +272,7 @@ def run_config(
         f"{name}: itl_max={result['itl_max_ms']:.0f}ms window_p99={result['itl_window_p99_ms']:.0f}ms "
         f"p99={result['itl_p99_ms']:.0f}ms p50={result['itl_p50_ms']:.0f}ms "
         f"ttft_long_p50={result['ttft_long_p50_ms']:.0f}ms ({result['long_prompts']} long) "
-        f"ttft_stream_max={result['ttft_stream_max_ms']:.0f}ms "
+        f"ttft_stream_max={result['ttft_stream_max_ms']:.0f}ms p90={result['ttft_stream_p90_ms']:.0f}ms "
         f"throughput={result['throughput_tok_s']:.1f} tok/s cpu_share="
         + " ".join(f"{k}={v:.2f}" for k, v in share.items())
     )
@@ -435,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         "itl_p99_ms",
         "ttft_long_p50_ms",
         "ttft_stream_max_ms",
+        "ttft_stream_p90_ms",
         "throughput_tok_s",
     )
     summary: dict[str, object] = {"engine": args.engine, "itl_target_ms": args.target_ms}

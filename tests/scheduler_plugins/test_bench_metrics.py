@@ -101,3 +101,17 @@ def test_a_stream_kept_waiting_for_its_first_token_shows_in_ttft_stream_max() ->
     res = summarize([steady, late, long], start=0.0, end=10.0)
     assert res["ttft_stream_max_ms"] == pytest.approx(1500.0)
     assert res["itl_max_ms"] == pytest.approx(100.0)  # no gap shows the wait
+
+
+def test_the_streams_ttft_p90_leaves_out_one_outlier() -> None:
+    """Ten new streams waiting 100 ms .. 1000 ms and one 9 s (behind a long prompt): the max is the outlier;
+    p90 over the 11 waits is the one at rank 0.9 x 10 = 9 from the smallest: 1000 ms."""
+    streams = [
+        Stream(sent=float(i), long=False, token_times=[i + 0.1 * (i + 1), i + 0.1 * (i + 1) + 0.05])
+        for i in range(10)
+    ]
+    streams.append(Stream(sent=20.0, long=False, token_times=[29.0, 29.05]))
+    streams.append(Stream(sent=20.0, long=True, token_times=[28.0]))
+    res = summarize(streams, start=0.0, end=30.0)
+    assert res["ttft_stream_max_ms"] == pytest.approx(9000.0)
+    assert res["ttft_stream_p90_ms"] == pytest.approx(1000.0)
