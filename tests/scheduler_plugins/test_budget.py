@@ -162,7 +162,7 @@ def test_a_prefill_with_no_decode_beside_it_takes_the_lone_limit_or_the_whole_ro
 def test_a_lone_step_is_short_when_a_second_prompt_can_start_within_the_limit() -> None:
     """No decode, limit 85 ms (20 ms + 1 ms per token): a first prompt of 65 tokens ends within it (its rest
     is the chunk), one of 66 does not; then a 16-token prompt behind is admitted beside the 32-token
-    minimum (64 aligned: 84 ms), a 33-token one needs 96 (116 ms): none, so the whole room stands."""
+    minimum (64 aligned: 84 ms), a 33-token one needs 96 (116 ms): none, so the lone step's limit stands."""
     model, plan = CostModel(LAW), _plan(decodes=0)
 
     def lone(first: int, behind: int, admits_beside: bool = True, at: StepPlan = plan) -> int:
